@@ -1,0 +1,3 @@
+from epdctl.cli import main
+
+main()

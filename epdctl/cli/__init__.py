@@ -1,0 +1,71 @@
+"""The `epdctl` command: root group, global options, and the one place exit codes are chosen."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from epdctl import __version__
+from epdctl.cli._app import App
+from epdctl.cli.cache import cache
+from epdctl.cli.down import down
+from epdctl.cli.logs import logs
+from epdctl.cli.render import render
+from epdctl.cli.status import status
+from epdctl.cli.up import up
+from epdctl.cli.verify import verify
+from epdctl.errors import EpdctlError
+
+
+class _Root(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except EpdctlError as exc:
+            err = click.ClickException(str(exc))
+            err.exit_code = exc.exit_code
+            raise err from exc
+
+
+@click.group(cls=_Root, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="epdctl")
+@click.option(
+    "--state-dir",
+    "state_root",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="EPDCTL_STATE_DIR",
+    help="Where running topologies keep state.json and logs (one sub-dir per topology). "
+    "[env: EPDCTL_STATE_DIR; default: ~/.local/state/epdctl]",
+)
+@click.option("-v", "--verbose", count=True, help="More detail; repeat for more.")
+@click.option("--color/--no-color", default=None, help="Force colour on or off (NO_COLOR is honoured).")
+@click.pass_context
+def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool | None) -> None:
+    """Bring up and manage a vLLM Encoder/Prefill/Decode topology on one machine.
+
+    \b
+    epdctl up topologies/cpu-demo.yaml -d   start it (detached)
+    epdctl status                           what runs, and is it ready
+    epdctl logs -f                          all instances' logs, multiplexed
+    epdctl cache inspect                    the shared-memory encoder cache
+    epdctl down                             stop everything
+    """
+    app = App(verbose=verbose, color=color)
+    if state_root is not None:
+        app.state_root = state_root.absolute()
+    ctx.obj = app
+
+
+for command in (up, down, status, logs, cache, verify, render):
+    cli.add_command(command)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        cli(prog_name="epdctl")
+    except KeyboardInterrupt:
+        sys.exit(130)

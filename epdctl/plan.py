@@ -1,0 +1,341 @@
+"""plan(): a topology placed on this machine, as pure data (argv, env, ports, GPUs, configs)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from epdctl import cache
+from epdctl.errors import PlanError
+from epdctl.topology import ROLE_NAMES, ROLE_PREFIX, Role, Topology
+
+HOST = "127.0.0.1"
+CPU_ENGINE_COMMAND = ("{python}", "-m", "epdctl.engines.vllm_cpu", "serve")
+GPU_ENGINE_COMMAND = ("vllm", "serve")
+# Engine flags that change encoder outputs for the same mm_hash: E and its consumers must
+# agree on them, and they go into the namespace so a foreign entry is never a hit.
+NAMESPACE_FLAGS = (
+    "--dtype",
+    "--revision",
+    "--mm-processor-kwargs",
+    "--media-io-kwargs",
+    "--mm-hasher-algorithm",
+    "--tokenizer",
+)
+PROXY_NAME = "proxy"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One process epdctl starts: an engine instance or the proxy."""
+
+    name: str
+    role: str
+    """encode, prefill_decode, prefill, decode or proxy."""
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    port: int
+    log_path: Path
+    health_url: str
+    gpus: tuple[str, ...] = ()
+    """Device ids as written into CUDA_VISIBLE_DEVICES."""
+    side_channel_port: int | None = None
+    start_after: tuple[str, ...] = ()
+    """Instances that must be ready before this one starts (they share a GPU with it)."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def shell(self) -> str:
+        """The command as one shell line, env first."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{env} {shlex.join(self.argv)}".strip()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `up` needs, decided before anything starts."""
+
+    name: str
+    mode: str
+    state_dir: Path
+    namespace: str
+    store_dir: Path
+    model_name: str
+    instances: tuple[LaunchSpec, ...]
+    proxy: LaunchSpec
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def specs(self) -> tuple[LaunchSpec, ...]:
+        """Engines first, the proxy last: the order things start in."""
+        return (*self.instances, self.proxy)
+
+    def spec(self, name: str) -> LaunchSpec:
+        for spec in self.specs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value of `--flag V` or `--flag=V` in args."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def model_fingerprint(model: str) -> str:
+    """A local model directory is identified by its config.json, an id by itself."""
+    config = Path(model) / "config.json"
+    if Path(model).is_absolute() and config.is_file():
+        return hashlib.sha256(config.read_bytes()).hexdigest()[:16]
+    return ""
+
+
+def compute_namespace(topology: Topology, vllm_version: str) -> str:
+    """Hash of everything that makes encoder outputs comparable across instances."""
+    flags = {}
+    args = list(topology.engine.args)
+    if "encode" in topology.roles:
+        args += topology.roles["encode"].args
+    for flag in NAMESPACE_FLAGS:
+        flags[flag] = flag_value(args, flag)
+    material = {
+        "vllm": vllm_version,
+        "model": topology.model,
+        "model_config": model_fingerprint(topology.model),
+        "flags": flags,
+        "format": cache.FORMAT_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+    return f"{topology.name}-{digest[:12]}"
+
+
+def _check_consumers_agree(topology: Topology) -> None:
+    if "encode" not in topology.roles:
+        return
+    encode = topology.roles["encode"].args
+    for role_name, role in topology.roles.items():
+        if role_name == "encode":
+            continue
+        for flag in NAMESPACE_FLAGS:
+            if flag_value(encode, flag) != flag_value(role.args, flag):
+                raise PlanError(
+                    f"roles -> {role_name} -> args: {flag} must match the encode role's "
+                    f"(encoder outputs would not fit); put it in engine.args instead"
+                )
+
+
+def _assign_gpus(
+    topology: Topology, visible: Sequence[str]
+) -> dict[str, list[list[str]]]:
+    """Per role, per replica: the device ids it gets."""
+    explicit = {
+        gpu for role in topology.roles.values() if isinstance(role.gpus, list) for gpu in role.gpus
+    }
+    for name, role in topology.roles.items():
+        if isinstance(role.gpus, list):
+            for gpu in role.gpus:
+                if gpu >= len(visible):
+                    raise PlanError(
+                        f"roles -> {name} -> gpus: GPU {gpu} does not exist "
+                        f"(this machine shows {len(visible)} GPU(s))"
+                    )
+    free = [i for i in range(len(visible)) if i not in explicit]
+    result: dict[str, list[list[str]]] = {}
+    for name in ROLE_NAMES:
+        role = topology.roles.get(name)
+        if role is None:
+            continue
+        need = role.replicas * role.tensor_parallel
+        if isinstance(role.gpus, list):
+            indices = list(role.gpus)
+        else:
+            if need > len(free):
+                raise PlanError(
+                    f"roles -> {name} -> gpus: needs {need} GPU(s) but only {len(free)} "
+                    f"unassigned of {len(visible)} remain"
+                )
+            indices, free = free[:need], free[need:]
+        tp = role.tensor_parallel
+        result[name] = [
+            [visible[i] for i in indices[r * tp : (r + 1) * tp]] for r in range(role.replicas)
+        ]
+    return result
+
+
+def _check_sharing(owners: dict[str, list[tuple[str, Role]]]) -> None:
+    for gpu, users in owners.items():
+        if len(users) < 2:
+            continue
+        names = ", ".join(n for n, _ in users)
+        missing = [n for n, r in users if r.gpu_memory_utilization is None]
+        if missing:
+            raise PlanError(
+                f"GPU {gpu} is shared by {names}: give each of their roles a "
+                f"gpu_memory_utilization (missing for {', '.join(missing)})"
+            )
+        total = sum(r.gpu_memory_utilization or 0 for _, r in users)
+        if total > 1.0 + 1e-9:
+            raise PlanError(
+                f"GPU {gpu} is shared by {names}: their gpu_memory_utilization adds up "
+                f"to {total:.2f}, more than 1"
+            )
+
+
+def ec_transfer_config(topology: Topology, role: str, namespace: str, engine_id: str) -> dict:
+    """The --ec-transfer-config for one instance (our shared-memory connector)."""
+    return {
+        "ec_connector": cache.CONNECTOR_NAME,
+        "ec_connector_module_path": cache.CONNECTOR_MODULE,
+        "ec_role": "ec_producer" if role == "encode" else "ec_consumer",
+        "engine_id": engine_id,
+        "ec_connector_extra_config": {
+            "store_dir": str(topology.cache.dir),
+            "namespace": namespace,
+        },
+    }
+
+
+def kv_transfer_config(topology: Topology, role: str, state_dir: Path) -> dict:
+    """The --kv-transfer-config for a prefill (producer) or decode (consumer) instance."""
+    default = "ExampleConnector" if topology.device == "cpu" else "NixlConnector"
+    connector = topology.kv.connector or default
+    extra = dict(topology.kv.extra_config)
+    if connector == "ExampleConnector":
+        extra.setdefault("shared_storage_path", str(state_dir / "kv"))
+    config: dict = {
+        "kv_connector": connector,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+    }
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return config
+
+
+def _engine_command(topology: Topology, python: str) -> list[str]:
+    if topology.engine.command:
+        return list(topology.engine.command)
+    base = CPU_ENGINE_COMMAND if topology.device == "cpu" else GPU_ENGINE_COMMAND
+    return [python if part == "{python}" else part for part in base]
+
+
+def _ports(topology: Topology, count: int) -> list[int]:
+    ports, port = [], topology.ports.base
+    while len(ports) < count:
+        if port > 65535:
+            raise PlanError(f"ports -> base: {count} ports from {topology.ports.base} pass 65535")
+        if port != topology.proxy.port:
+            ports.append(port)
+        port += 1
+    return ports
+
+
+def plan(
+    topology: Topology,
+    state_dir: Path,
+    *,
+    visible_gpus: Sequence[str] = (),
+    vllm_version: str = "unknown",
+    python: str = sys.executable,
+    cpu_count: int = 1,
+) -> Plan:
+    """Place the topology: one LaunchSpec per instance plus the proxy. Pure."""
+    _check_consumers_agree(topology)
+    namespace = compute_namespace(topology, vllm_version)
+    gpus = _assign_gpus(topology, visible_gpus) if topology.device == "cuda" else {}
+    order = [(name, r) for name in ROLE_NAMES if name in topology.roles
+             for r in range(topology.roles[name].replicas)]
+    http_ports = _ports(topology, len(order))
+    side_port = topology.ports.side_channel_base
+    command = _engine_command(topology, python)
+    owners: dict[str, list[tuple[str, Role]]] = {}
+    specs: list[LaunchSpec] = []
+    for index, (role_name, replica) in enumerate(order):
+        role = topology.roles[role_name]
+        name = f"{ROLE_PREFIX[role_name]}-{replica}"
+        port = http_ports[index]
+        argv = [*command, topology.model, "--host", HOST, "--port", str(port)]
+        if topology.served_model_name:
+            argv += ["--served-model-name", topology.served_model_name]
+        if role.tensor_parallel > 1:
+            argv += ["--tensor-parallel-size", str(role.tensor_parallel)]
+        if role.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(role.gpu_memory_utilization)]
+        argv += [*topology.engine.args, *role.args]
+        env = {**topology.engine.env, **role.env}
+        if "encode" in topology.roles:
+            ec = ec_transfer_config(topology, role_name, namespace, f"{topology.name}-{name}")
+            argv += ["--ec-transfer-config", json.dumps(ec, separators=(",", ":"))]
+        side = None
+        if role_name in ("prefill", "decode"):
+            kv = kv_transfer_config(topology, role_name, state_dir)
+            argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+            side = side_port
+            side_port += 1
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
+        devices: tuple[str, ...] = ()
+        if topology.device == "cuda":
+            devices = tuple(gpus[role_name][replica])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+            for dev in devices:
+                owners.setdefault(dev, []).append((name, role))
+        else:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(index % max(cpu_count, 1)))
+        after = tuple(
+            other.name for other in specs if set(other.gpus) & set(devices)
+        )
+        specs.append(LaunchSpec(
+            name=name, role=role_name, argv=tuple(argv), env=env, port=port,
+            log_path=state_dir / "logs" / f"{name}.log",
+            health_url=f"http://{HOST}:{port}/health", gpus=devices,
+            side_channel_port=side, start_after=after[-1:],
+        ))
+    _check_sharing(owners)
+    proxy = _proxy_spec(topology, state_dir, specs, python)
+    if len({s.port for s in (*specs, proxy)}) != len(specs) + 1:
+        raise PlanError("ports: two instances would share a port")
+    return Plan(
+        name=topology.name, mode=topology.mode, state_dir=state_dir, namespace=namespace,
+        store_dir=topology.cache.dir / namespace, model_name=topology.model_name,
+        instances=tuple(specs), proxy=proxy,
+    )
+
+
+def _proxy_spec(
+    topology: Topology, state_dir: Path, specs: list[LaunchSpec], python: str
+) -> LaunchSpec:
+    p = topology.proxy
+    argv = [python, "-m", "epdctl.proxy", "--host", p.host, "--port", str(p.port),
+            "--model", topology.model_name]
+    flag = {"encode": "--encode", "prefill_decode": "--pd", "prefill": "--prefill",
+            "decode": "--decode"}
+    for spec in specs:
+        argv += [flag[spec.role], spec.url]
+    argv += [
+        "--encode-timeout", str(p.encode_timeout),
+        "--prefill-timeout", str(p.prefill_timeout),
+        "--decode-timeout", str(p.decode_timeout),
+        "--stream-idle-timeout", str(p.stream_idle_timeout),
+        "--max-inflight", str(p.max_inflight),
+    ]
+    if not p.metadata_rewrite:
+        argv.append("--no-metadata-rewrite")
+    env = {"EPDCTL_PROXY_API_KEY": p.api_key} if p.api_key else {}
+    host = HOST if p.host in ("0.0.0.0", "::", "") else p.host
+    return LaunchSpec(
+        name=PROXY_NAME, role="proxy", argv=tuple(argv), env=env, port=p.port,
+        log_path=state_dir / "logs" / f"{PROXY_NAME}.log",
+        health_url=f"http://{host}:{p.port}/health",
+    )
