@@ -26,7 +26,8 @@ def test_png(seed: int = 0, size: int = 56) -> bytes:
     for y in range(size):
         row = bytearray([0])  # filter type 0 for each scanline
         for x in range(size):
-            row += bytes(((x * 7 + seed * 53) % 256, (y * 5 + seed * 31) % 256, (x * y + seed) % 256))
+            red, green = (x * 7 + seed * 53) % 256, (y * 5 + seed * 31) % 256
+            row += bytes((red, green, (x * y + seed) % 256))
         rows.append(bytes(row))
 
     def chunk(kind: bytes, data: bytes) -> bytes:
