@@ -1,0 +1,144 @@
+"""Entry file format and file-name rules of the EC store (stdlib only)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+
+from epdctl.cache import FORMAT_VERSION
+
+MAGIC = b"EPDCTLEC"
+_PREFIX = struct.Struct("<8sII")  # magic, format version, length of the JSON meta
+# Data starts page-aligned so reads and mmaps of the payload are aligned too.
+PAGE_BYTES = 4096
+ENTRY_SUFFIX = ".ec"
+
+_SAFE = re.compile(r"[A-Za-z0-9_-]+")
+_MAX_KEY_CHARS = 100
+_MAX_PART_CHARS = 48
+
+# Bytes per element of the dtypes an encoder can produce; names are torch's.
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+}
+
+
+class FormatError(ValueError):
+    """An entry's bytes are not a valid entry (truncated, foreign, corrupt)."""
+
+
+def _safe_name(text: str, max_chars: int) -> str:
+    """`text` if it is a short, plain file name; else `~` + a hash of it."""
+    if len(text) <= max_chars and _SAFE.fullmatch(text):
+        return text
+    # '~' is outside the safe alphabet, so a hashed name never equals a plain one.
+    return "~" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+def key_filename(key: str) -> str:
+    """The file name stem of `key` (mm_hash may hold ':' or be chosen by a client)."""
+    return _safe_name(key, _MAX_KEY_CHARS)
+
+
+def name_part(text: str) -> str:
+    """A pin-name component (engine or request id), short and free of dots."""
+    return _safe_name(text, _MAX_PART_CHARS)
+
+
+@dataclass(frozen=True)
+class EntryHeader:
+    """What an entry file says about its payload."""
+
+    key: str
+    namespace: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    created_ns: int
+    data_offset: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+
+def payload_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a C-contiguous array; FormatError for an unknown dtype."""
+    try:
+        size = DTYPE_BYTES[dtype]
+    except KeyError:
+        raise FormatError(f"unknown dtype {dtype!r}") from None
+    for dim in shape:
+        size *= dim
+    return size
+
+
+def encode_header(
+    key: str, namespace: str, dtype: str, shape: tuple[int, ...], created_ns: int
+) -> bytes:
+    """The header bytes, padded so the payload starts on a page boundary."""
+    nbytes = payload_nbytes(dtype, shape)
+    meta = {
+        "key": key,
+        "namespace": namespace,
+        "dtype": dtype,
+        "shape": list(shape),
+        "nbytes": nbytes,
+        "created_ns": created_ns,
+    }
+    body = json.dumps(meta, separators=(",", ":")).encode()
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+    padded = -(-len(head) // PAGE_BYTES) * PAGE_BYTES
+    return head + bytes(padded - len(head))
+
+
+def decode_header(buf: bytes) -> EntryHeader:
+    """Parse the header at the start of `buf`; FormatError if it is not ours."""
+    if len(buf) < _PREFIX.size:
+        raise FormatError("truncated header")
+    magic, version, length = _PREFIX.unpack_from(buf)
+    if magic != MAGIC:
+        raise FormatError("bad magic")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"format version {version}, expected {FORMAT_VERSION}")
+    end = _PREFIX.size + length
+    if end > len(buf):
+        raise FormatError("truncated header")
+    try:
+        meta = json.loads(buf[_PREFIX.size : end])
+        shape = tuple(int(d) for d in meta["shape"])
+        header = EntryHeader(
+            key=str(meta["key"]),
+            namespace=str(meta["namespace"]),
+            dtype=str(meta["dtype"]),
+            shape=shape,
+            nbytes=int(meta["nbytes"]),
+            created_ns=int(meta["created_ns"]),
+            data_offset=-(-end // PAGE_BYTES) * PAGE_BYTES,
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"corrupt header: {exc}") from None
+    if any(d < 0 for d in shape) or header.nbytes != payload_nbytes(header.dtype, shape):
+        raise FormatError("header nbytes does not match dtype and shape")
+    return header
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,236 @@
+"""Eviction: TTL and LRU under a byte budget, stale pins, orphaned tmp files, old namespaces."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from epdctl.cache._scan import Entry, listdir, namespace_dirs, scan_entries
+from epdctl.cache.store import ENTRIES, PINS, TMP
+
+# A pin not read within this long belongs to a load that will never happen (the request
+# was aborted, or KV allocation failed after has_cache_item); the inode can go.
+PIN_TTL_S = 600.0
+# A tmp file whose writer is alive is removed only past this age (a write takes < 1 s).
+TMP_TTL_S = 600.0
+
+
+@dataclass(frozen=True)
+class Removed:
+    """One file (or namespace dir) the janitor removed, or would remove in a dry run."""
+
+    namespace: str
+    path: str
+    size_bytes: int
+    reason: str  # ttl, budget, namespace, all, older-than, stale-pin, orphan-tmp, empty-namespace
+
+
+@dataclass
+class EvictionReport:
+    """What a janitor pass found and did."""
+
+    removed: list[Removed] = field(default_factory=list)
+    kept_pinned: int = 0
+    kept_young: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    dry_run: bool = False
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(r.size_bytes for r in self.removed)
+
+    def count(self, *reasons: str) -> int:
+        return sum(1 for r in self.removed if r.reason in reasons)
+
+
+def enforce(
+    store_dir: Path,
+    *,
+    capacity_bytes: int,
+    ttl_s: float,
+    grace_s: float,
+    keep_namespaces: set[str] | None = None,
+    pin_ttl_s: float = PIN_TTL_S,
+    now: float | None = None,
+) -> EvictionReport:
+    """One supervisor pass: TTL, LRU down to the budget, foreign namespaces, stale pins."""
+    now = time.time() if now is None else now
+
+    def is_foreign(ns: str) -> bool:
+        return keep_namespaces is not None and ns not in keep_namespaces
+
+    def expired(e: Entry) -> str | None:
+        if is_foreign(e.namespace):
+            return "namespace"
+        return "ttl" if now - e.mtime > ttl_s else None
+
+    return _sweep(
+        Path(store_dir),
+        now=now,
+        namespaces=None,
+        expired=expired,
+        budget_bytes=capacity_bytes,
+        grace_s=grace_s,
+        pin_ttl_s=pin_ttl_s,
+        drop_empty=is_foreign,
+        dry_run=False,
+    )
+
+
+def clean(
+    store_root: Path,
+    *,
+    all: bool = False,
+    older_than_s: float | None = None,
+    max_bytes: int | None = None,
+    namespace: str | None = None,
+    dry_run: bool = False,
+    pin_ttl_s: float = PIN_TTL_S,
+    now: float | None = None,
+) -> EvictionReport:
+    """User-requested cleaning; pinned entries and young pins are never touched."""
+    now = time.time() if now is None else now
+
+    def expired(e: Entry) -> str | None:
+        if all:
+            return "all"
+        if older_than_s is not None and now - e.mtime > older_than_s:
+            return "older-than"
+        return None
+
+    return _sweep(
+        Path(store_root),
+        now=now,
+        namespaces=None if namespace is None else {namespace},
+        expired=expired,
+        budget_bytes=max_bytes,
+        grace_s=0.0,
+        pin_ttl_s=pin_ttl_s,
+        drop_empty=lambda ns: all,
+        dry_run=dry_run,
+    )
+
+
+def _sweep(
+    root: Path,
+    *,
+    now: float,
+    namespaces: set[str] | None,
+    expired: Callable[[Entry], str | None],
+    budget_bytes: int | None,
+    grace_s: float,
+    pin_ttl_s: float,
+    drop_empty: Callable[[str], bool],
+    dry_run: bool,
+) -> EvictionReport:
+    report = EvictionReport(dry_run=dry_run)
+    ns_dirs = [d for d in namespace_dirs(root) if namespaces is None or d.name in namespaces]
+    entries = [e for d in ns_dirs for e in scan_entries(d)]
+    report.bytes_before = sum(e.size for e in entries)
+    evictable: list[Entry] = []
+    for e in entries:
+        # A second link is a pin: some engine is about to read this inode.
+        if e.nlink > 1:
+            report.kept_pinned += 1
+        elif now - e.mtime < grace_s:
+            report.kept_young += 1
+        else:
+            evictable.append(e)
+    doomed = {e.path: reason for e in evictable if (reason := expired(e))}
+    if budget_bytes is not None:
+        total = report.bytes_before - sum(e.size for e in evictable if e.path in doomed)
+        for e in sorted(evictable, key=lambda e: e.mtime):
+            if total <= budget_bytes:
+                break
+            if e.path not in doomed:
+                doomed[e.path] = "budget"
+                total -= e.size
+    for e in entries:
+        if e.path in doomed and _remove_entry(e, dry_run):
+            report.removed.append(Removed(e.namespace, e.path, e.size, doomed[e.path]))
+    report.bytes_after = report.bytes_before - report.freed_bytes
+    for d in ns_dirs:
+        report.removed.extend(_stale_pins(d, now, pin_ttl_s, dry_run))
+        report.removed.extend(_orphan_tmp(d, now, dry_run))
+        if drop_empty(d.name) and _is_empty(d, doomed, report, dry_run):
+            if not dry_run:
+                shutil.rmtree(d, ignore_errors=True)
+            report.removed.append(Removed(d.name, str(d), 0, "empty-namespace"))
+    return report
+
+
+def _stale_pins(ns_dir: Path, now: float, pin_ttl_s: float, dry_run: bool) -> Iterator[Removed]:
+    for path in listdir(ns_dir / PINS):
+        created = pin_created_s(path)
+        if created is None:
+            try:
+                # Not one of our names; its ctime is a safe lower bound of its age.
+                created = os.stat(path).st_ctime
+            except FileNotFoundError:
+                continue
+        if now - created > pin_ttl_s and _remove(path, dry_run):
+            yield Removed(ns_dir.name, path, 0, "stale-pin")
+
+
+def pin_created_s(path: str) -> float | None:
+    """Creation time encoded at the end of a pin's name, or None."""
+    tail = path.rsplit(".", 1)[-1]
+    return int(tail) / 1e9 if tail.isdigit() else None
+
+
+def _orphan_tmp(ns_dir: Path, now: float, dry_run: bool) -> Iterator[Removed]:
+    for path in listdir(ns_dir / TMP):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        parts = os.path.basename(path).rsplit(".", 2)
+        pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+        orphan = pid is None or not _alive(pid) or now - st.st_mtime > TMP_TTL_S
+        if orphan and _remove(path, dry_run):
+            yield Removed(ns_dir.name, path, st.st_size, "orphan-tmp")
+
+
+def _is_empty(ns_dir: Path, doomed: dict[str, str], report: EvictionReport, dry_run: bool) -> bool:
+    gone = {r.path for r in report.removed} | set(doomed) if dry_run else set()
+    for sub in (ENTRIES, PINS, TMP):
+        if any(p not in gone for p in listdir(ns_dir / sub)):
+            return False
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_entry(e: Entry, dry_run: bool) -> bool:
+    """Unlink an entry unless it was pinned, touched or republished since the scan."""
+    try:
+        st = os.stat(e.path)
+    except FileNotFoundError:
+        return False
+    if (st.st_ino, st.st_mtime, st.st_nlink) != (e.ino, e.mtime, 1):
+        return False
+    # A pin taken between this stat and the unlink keeps the inode: the reader is safe.
+    return _remove(e.path, dry_run)
+
+
+def _remove(path: str, dry_run: bool) -> bool:
+    if dry_run:
+        return True
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True

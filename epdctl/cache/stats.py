@@ -1,0 +1,91 @@
+"""Per-engine hit/miss/save/load counters, written to the store and summed by inspect."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Any
+
+from epdctl.cache._format import name_part
+from epdctl.cache.store import STATS
+
+FLUSH_INTERVAL_S = 1.0
+# Per-key hit counts kept per writer; older keys fall off so the file stays small.
+MAX_KEYS = 1000
+COUNTERS = ("hits", "misses", "invalid", "saves", "save_failures", "loads", "load_failures")
+
+
+class StatsWriter:
+    """Counters of one engine process, flushed atomically at most every second."""
+
+    def __init__(self, ns_dir: str | os.PathLike[str], writer_id: str) -> None:
+        self.path = Path(ns_dir) / STATS / f"{name_part(writer_id)}.json"
+        self.counts: Counter[str] = Counter()
+        self.key_hits: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, key: str | None = None, **counts: float) -> None:
+        """Bump counters (e.g. hits=1, load_bytes=n); `key` also counts a hit on it."""
+        with self._lock:
+            self.counts.update(counts)
+            if key is not None:
+                self.key_hits[key] = self.key_hits.pop(key, 0) + 1
+                while len(self.key_hits) > MAX_KEYS:
+                    self.key_hits.popitem(last=False)
+        self._dirty.set()
+        if self._thread is None:
+            # Started lazily so that merely importing or constructing starts no thread.
+            self._thread = threading.Thread(target=self._run, name="epdctl-ec-stats", daemon=True)
+            self._thread.start()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"counts": dict(self.counts), "key_hits": dict(self.key_hits)}
+
+    def flush(self) -> None:
+        """Write the counters now (tmp + rename); errors are ignored, stats are best effort."""
+        self._dirty.clear()
+        body = json.dumps({**self.snapshot(), "updated": time.time()}).encode()
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(body)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._dirty.set()
+            self._thread.join(timeout=2.0)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._dirty.wait()
+            if self._stop.is_set():
+                return
+            self.flush()
+            self._stop.wait(FLUSH_INTERVAL_S)
+
+
+def read_stats(ns_dir: str | os.PathLike[str]) -> tuple[Counter[str], Counter[str]]:
+    """Summed counters and per-key hits of every writer in a namespace."""
+    counts: Counter[str] = Counter()
+    key_hits: Counter[str] = Counter()
+    for path in (Path(ns_dir) / STATS).glob("*.json"):
+        try:
+            data = json.loads(path.read_bytes())
+            counts.update({k: v for k, v in data.get("counts", {}).items()})
+            key_hits.update(data.get("key_hits", {}))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue  # a writer's file being replaced or damaged: skip it
+    return counts, key_hits

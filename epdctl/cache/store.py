@@ -1,0 +1,239 @@
+"""One namespace of the EC store: atomic publish, hard-link pins, validated reads."""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from epdctl.cache._format import (
+    ENTRY_SUFFIX,
+    PAGE_BYTES,
+    EntryHeader,
+    FormatError,
+    decode_header,
+    encode_header,
+    format_bytes,
+    key_filename,
+    name_part,
+    payload_nbytes,
+)
+from epdctl.errors import CacheError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+ENTRIES, PINS, TMP, STATS = "entries", "pins", "tmp", "stats"
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Hard links to one validated entry, one per loading rank; read through them."""
+
+    paths: tuple[str, ...]
+    header: EntryHeader
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Why an entry could not be pinned: missing, or invalid (with the reason)."""
+
+    reason: str
+
+    @property
+    def is_missing(self) -> bool:
+        return self.reason == "missing"
+
+
+class Store:
+    """Entries, pins and tmp files of one namespace under `store_dir/namespace`."""
+
+    def __init__(self, store_dir: str | os.PathLike[str], namespace: str) -> None:
+        self.namespace = namespace
+        self.root = Path(store_dir) / name_part(namespace)
+        self.entries = self.root / ENTRIES
+        self.pins = self.root / PINS
+        self.tmp = self.root / TMP
+
+    def create(self) -> Store:
+        """Create the namespace's directories (idempotent)."""
+        for path in (self.entries, self.pins, self.tmp, self.root / STATS):
+            path.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def entry_path(self, key: str) -> str:
+        return f"{self.entries}/{key_filename(key)}{ENTRY_SUFFIX}"
+
+    def has_entry(self, key: str) -> bool:
+        return os.path.exists(self.entry_path(key))
+
+    def touch(self, key: str) -> bool:
+        """Mark `key` used now (LRU and grace count from here); False if it is gone."""
+        try:
+            os.utime(self.entry_path(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def publish(self, key: str, data: Buffer, *, dtype: str, shape: tuple[int, ...]) -> int:
+        """Write an entry atomically and return its payload size; OSError on failure."""
+        header = encode_header(key, self.namespace, dtype, shape, time.time_ns())
+        view = memoryview(data).cast("B")
+        if view.nbytes != payload_nbytes(dtype, shape):
+            raise ValueError(f"{view.nbytes} bytes given for {dtype}{list(shape)}")
+        name = key_filename(key)
+        tmp = f"{self.tmp}/{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:
+            self.create()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, header)
+            _write_all(fd, view)
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        os.close(fd)
+        # No fsync: tmpfs has nothing to flush, and rename is atomic; two writers of
+        # one key both finish and the last rename wins.
+        try:
+            os.rename(tmp, f"{self.entries}/{name}{ENTRY_SUFFIX}")
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return view.nbytes
+
+    def pin(
+        self,
+        key: str,
+        *,
+        engine: str,
+        request: str,
+        index: int,
+        rows: int | None = None,
+        dtype: str | None = None,
+        ranks: int = 1,
+    ) -> Pin | Miss:
+        """Pin `key` for `ranks` readers and validate it; a Miss instead of an error."""
+        created = time.time_ns()
+        owner = f"{name_part(engine)}.{name_part(request)}.{index}"
+        base = f"{self.pins}/{key_filename(key)}.{owner}"
+        paths = tuple(f"{base}.{rank}.{created}" for rank in range(ranks))
+        try:
+            # Link first, validate second: a link either pins the inode or fails,
+            # so eviction after this point can no longer take the bytes away.
+            os.link(self.entry_path(key), paths[0])
+        except FileNotFoundError:
+            return Miss("missing")
+        except OSError as exc:
+            return Miss(f"pin failed: {exc.strerror}")
+        reason = _validate(paths[0], key, self.namespace, rows, dtype)
+        if isinstance(reason, Miss):
+            _unlink(paths[0])
+            return reason
+        try:
+            for path in paths[1:]:
+                os.link(paths[0], path)
+        except OSError as exc:
+            unpin(paths)
+            return Miss(f"pin failed: {exc.strerror}")
+        return Pin(paths, reason)
+
+
+def _validate(
+    path: str, key: str, namespace: str, rows: int | None, dtype: str | None
+) -> EntryHeader | Miss:
+    try:
+        with open(path, "rb", buffering=0) as f:
+            head = f.read(PAGE_BYTES)
+            header = decode_header(head)
+            size = os.fstat(f.fileno()).st_size
+    except FormatError as exc:
+        return Miss(f"corrupt: {exc}")
+    except OSError as exc:
+        return Miss(f"unreadable: {exc.strerror}")
+    if header.key != key:
+        return Miss(f"key mismatch: {header.key!r}")
+    if header.namespace != namespace:
+        return Miss(f"namespace {header.namespace!r}")
+    if dtype is not None and header.dtype != dtype:
+        return Miss(f"dtype {header.dtype}, expected {dtype}")
+    if rows is not None and (len(header.shape) < 1 or header.rows != rows):
+        return Miss(f"shape {list(header.shape)}, expected {rows} rows")
+    if size - header.data_offset != header.nbytes:
+        return Miss(f"size {size - header.data_offset}, expected {header.nbytes}")
+    return header
+
+
+def read_into(path: str, header: EntryHeader, out: Buffer) -> None:
+    """Copy the payload of the entry at `path` into `out` (exactly header.nbytes)."""
+    view = memoryview(out).cast("B")
+    if view.nbytes != header.nbytes:
+        raise ValueError(f"destination holds {view.nbytes} bytes, entry {header.nbytes}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < view.nbytes:
+            n = os.preadv(fd, [view[done:]], header.data_offset + done)
+            if n == 0:
+                raise OSError(errno.EIO, f"{path} is truncated")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def unpin(paths: tuple[str, ...] | list[str]) -> None:
+    """Drop pins (a pin that is already gone is fine)."""
+    for path in paths:
+        _unlink(path)
+
+
+def _write_all(fd: int, data: Buffer) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def check_capacity(store_dir: str | os.PathLike[str], capacity_bytes: int) -> None:
+    """CacheError unless `store_dir` is writable and its filesystem can hold the budget."""
+    root = Path(store_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        raise CacheError(f"the EC store `{root}` is not writable: {exc.strerror}") from None
+    usage = shutil.disk_usage(root)
+    held = _store_bytes(root)
+    if usage.free + held < capacity_bytes:
+        raise CacheError(
+            f"the EC store `{root}` has {format_bytes(usage.free + held)} available "
+            f"(filesystem size {format_bytes(usage.total)}) but the cache capacity is "
+            f"{format_bytes(capacity_bytes)}; lower cache.capacity or enlarge the filesystem "
+            "(Docker: --shm-size)"
+        )
+
+
+def _store_bytes(root: Path) -> int:
+    total = 0
+    for entry in root.glob(f"*/{ENTRIES}/*{ENTRY_SUFFIX}"):
+        try:
+            total += entry.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
