@@ -1,11 +1,56 @@
-"""Placeholder: replaced by the real `down` command."""
+"""`epdctl down`: stop a topology's processes, drop its state and EC store (logs are kept)."""
 
 from __future__ import annotations
 
 import click
 
+from epdctl.cli._app import App, pass_app
+
 
 @click.command()
-def down() -> None:
-    """Not built yet"""
-    raise click.ClickException("not built yet")
+@click.option("--name", "name", metavar="NAME|FILE",
+              help="Topology name or file; default: the only one under the state dir.")
+@click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL (one deadline for all).")
+@click.option("--force", "should_scan", is_flag=True,
+              help="Also find processes by the markers in their environment "
+              "(works when state.json is corrupt or gone).")
+@click.option("--keep-cache", "should_keep_cache", is_flag=True,
+              help="Keep the EC store files (as `cache.keep_on_down: true` does).")
+@pass_app
+def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
+         should_keep_cache: bool) -> None:
+    """Stop a running topology and remove its state"""
+    from epdctl.errors import NotRunningError, StateError
+    from epdctl.launcher import stop_run
+    from epdctl.state import find_state_dir
+
+    sdir = find_state_dir(app.state_root, name)
+    try:
+        state = sdir.read()
+    except (StateError, NotRunningError):
+        if not should_scan:
+            raise
+        state = None
+    result = stop_run(sdir, state, timeout_s, should_scan=should_scan)
+    if state is not None:
+        sdir.finish(state, keep_cache=should_keep_cache)
+    else:
+        sdir.retire()
+    topo = sdir.path.name
+    if state is None and not (result.stopped or result.killed or result.stale):
+        raise NotRunningError(f"nothing of `{topo}` is running")
+    if result.stopped or result.killed:
+        app.err.print(f"Stopped {topo}: {', '.join(result.stopped + result.killed)}.",
+                      markup=False)
+    else:
+        app.err.print(f"Nothing of {topo} was running; removed its state.", markup=False)
+    if result.killed:
+        app.err.print(f"Killed after {timeout_s:g}s (SIGTERM ignored): "
+                      f"{', '.join(result.killed)}", markup=False)
+    if result.stale:
+        app.err.print(f"Not signalled (the pid now belongs to another process): "
+                      f"{', '.join(result.stale)}", markup=False)
+    if state is not None and (should_keep_cache or state.settings.keep_cache_on_down):
+        app.err.print(f"Kept the EC store {state.store_dir}", markup=False)
+    app.err.print(f"Logs are kept in {sdir.logs_dir}", markup=False)

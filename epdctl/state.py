@@ -1,0 +1,283 @@
+"""The state dir of one topology: lock, atomic state.json, and liveness of recorded pids."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from epdctl.errors import AlreadyRunningError, EpdctlError, NotRunningError, StateError
+from epdctl.plan import LaunchSpec, Plan
+
+STATE_VERSION = 1
+# Kept by `down` instead of state.json, so `logs` still knows names and their order.
+LAST_RUN = "last-run.json"
+Phase = Literal["starting", "running", "stopping", "stopped", "failed", "exited"]
+InstanceState = Literal["pending", "starting", "ready", "unhealthy", "exited", "backoff"]
+
+_CONFIG = ConfigDict(extra="forbid")
+
+
+class SpecModel(BaseModel):
+    """A LaunchSpec as stored in state.json."""
+
+    model_config = _CONFIG
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: str
+    health_url: str
+    gpus: list[str] = []
+    side_channel_port: int | None = None
+    start_after: list[str] = []
+
+    @classmethod
+    def of(cls, spec: LaunchSpec) -> SpecModel:
+        return cls(
+            name=spec.name, role=spec.role, argv=list(spec.argv), env=dict(spec.env),
+            port=spec.port, log_path=str(spec.log_path), health_url=spec.health_url,
+            gpus=list(spec.gpus), side_channel_port=spec.side_channel_port,
+            start_after=list(spec.start_after),
+        )
+
+    def spec(self) -> LaunchSpec:
+        return LaunchSpec(
+            name=self.name, role=self.role, argv=tuple(self.argv), env=self.env, port=self.port,
+            log_path=Path(self.log_path), health_url=self.health_url, gpus=tuple(self.gpus),
+            side_channel_port=self.side_channel_port, start_after=tuple(self.start_after),
+        )
+
+
+class Record(BaseModel):
+    """One process epdctl started: enough to find it again, and to know it is still ours."""
+
+    model_config = _CONFIG
+    name: str
+    pid: int
+    pgid: int
+    create_time: float
+    started_at: float
+    """Wall-clock time of the spawn."""
+    ready_at: float | None = None
+    state: InstanceState = "starting"
+    restarts: int = 0
+    exit_code: int | None = None
+
+
+class Settings(BaseModel):
+    """The topology settings the supervisor needs after `up` returned."""
+
+    model_config = _CONFIG
+    restart_policy: Literal["no", "on-failure"] = "no"
+    max_restarts: int = 3
+    backoff_s: float = 2.0
+    cache_capacity_bytes: int = 8 << 30
+    cache_ttl_s: float = 1800.0
+    cache_grace_s: float = 120.0
+    keep_cache_on_down: bool = False
+
+
+class RunState(BaseModel):
+    """state.json: the plan, where every process is, and how the run is going."""
+
+    model_config = _CONFIG
+    version: int = STATE_VERSION
+    name: str
+    topology_path: str
+    created_at: float
+    mode: str
+    namespace: str
+    store_dir: str
+    model_name: str
+    specs: list[SpecModel]
+    """Engines in start order, the proxy last."""
+    settings: Settings = Settings()
+    phase: Phase = "starting"
+    error: str | None = None
+    """Why the run failed, for the `up -d` that waits on a detached supervisor."""
+    killed: list[str] = []
+    supervisor: Record | None = None
+    records: dict[str, Record] = {}
+
+    @classmethod
+    def of(cls, plan: Plan, topology_path: str, settings: Settings) -> RunState:
+        return cls(
+            name=plan.name, topology_path=topology_path, created_at=time.time(), mode=plan.mode,
+            namespace=plan.namespace, store_dir=str(plan.store_dir), model_name=plan.model_name,
+            specs=[SpecModel.of(s) for s in plan.specs], settings=settings,
+        )
+
+    @property
+    def proxy(self) -> SpecModel:
+        return self.specs[-1]
+
+
+def process_matches(pid: int, create_time: float) -> bool | None:
+    """True: that very process is alive; False: gone (or a zombie); None: pid reused (stale)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - create_time) > 0.01:
+            return None
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return None
+
+
+class StateDir:
+    """`<root>/<name>/`: state.json, lock, logs/."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.state_file = path / "state.json"
+        self.lock_file = path / "lock"
+        self.logs_dir = path / "logs"
+        self._lock_fd: int | None = None
+
+    def exists(self) -> bool:
+        return self.state_file.exists()
+
+    def read(self) -> RunState:
+        """The validated state; NotRunningError when absent, StateError when unreadable."""
+        try:
+            text = self.state_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise NotRunningError(
+                f"`{self.path.name}` is not running (no {self.state_file})"
+            ) from None
+        except OSError as exc:
+            raise StateError(f"cannot read {self.state_file}: {exc}") from None
+        try:
+            return RunState.model_validate_json(text)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"]) or "file"
+            raise StateError(
+                f"{self.state_file} is corrupt ({where}: {first['msg']}); "
+                f"run `epdctl down --force --name {self.path.name}` to stop whatever it started"
+            ) from None
+
+    def write(self, state: RunState) -> None:
+        """Atomically replace state.json, so a reader never sees half a file."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_name(f".state.json.{os.getpid()}.tmp")
+        tmp.write_text(state.model_dump_json(indent=1), encoding="utf-8")
+        os.replace(tmp, self.state_file)
+
+    def retire(self) -> None:
+        """Keep the last run's state as last-run.json (logs need the names); drop state.json."""
+        try:
+            os.replace(self.state_file, self.path / LAST_RUN)
+        except FileNotFoundError:
+            pass
+
+    def finish(self, state: RunState, *, keep_cache: bool = False) -> None:
+        """After the last process is gone: retire state.json and drop the EC store dir."""
+        import shutil
+
+        self.retire()
+        if not (keep_cache or state.settings.keep_cache_on_down):
+            shutil.rmtree(state.store_dir, ignore_errors=True)
+
+    def last_run(self) -> RunState | None:
+        try:
+            return RunState.model_validate_json((self.path / LAST_RUN).read_text("utf-8"))
+        except (OSError, ValidationError):
+            return None
+
+    def lock(self) -> int:
+        """Take the supervisor lock (non-blocking); AlreadyRunningError if someone holds it."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AlreadyRunningError(
+                f"`{self.path.name}` is already running (its supervisor holds {self.lock_file}); "
+                f"`epdctl down --name {self.path.name}` stops it"
+            ) from None
+        self._lock_fd = fd
+        return fd
+
+    def adopt_lock(self, fd: int) -> None:
+        """Take over a lock fd inherited from the `up` that spawned us (same open file)."""
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def is_locked(self) -> bool:
+        """Whether some process holds the lock right now."""
+        if self._lock_fd is not None:
+            return True
+        try:
+            fd = os.open(self.lock_file, os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops our probe lock too
+
+    def live_names(self, state: RunState) -> list[str]:
+        """Recorded processes (supervisor included) that are still alive and still ours."""
+        records = list(state.records.values())
+        if state.supervisor is not None:
+            records.append(state.supervisor)
+        return [r.name for r in records if process_matches(r.pid, r.create_time)]
+
+    def is_running(self) -> bool:
+        """Lock held, or a readable state.json with live processes."""
+        if self.is_locked():
+            return True
+        try:
+            return bool(self.live_names(self.read()))
+        except (NotRunningError, StateError):
+            return False
+
+
+
+def _candidates(root: Path, marker: str) -> list[StateDir]:
+    if not root.is_dir():
+        return []
+    return [StateDir(p) for p in sorted(root.iterdir()) if (p / marker).exists()]
+
+
+def find_state_dir(root: Path, name: str | None, *, past_runs: bool = False) -> StateDir:
+    """The state dir for `name` (a topology name or file), else the only one under root.
+
+    With past_runs, topologies that were brought down (logs kept) count too.
+    """
+    if name is not None:
+        if name.endswith((".yaml", ".yml")) or Path(name).is_file():
+            from epdctl.topology import load_topology
+
+            name = load_topology(name).name
+        return StateDir(root / name)
+    found = _candidates(root, "state.json")
+    if len(found) > 1:
+        running = [d for d in found if d.is_running()]
+        found = running or found
+    if not found and past_runs:
+        found = _candidates(root, LAST_RUN)
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise NotRunningError(f"nothing is running (no topology under {root})")
+    names = ", ".join(d.path.name for d in found)
+    raise EpdctlError(f"several topologies under {root} ({names}); pick one with --name NAME")

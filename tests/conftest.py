@@ -1,0 +1,88 @@
+"""Shared fixtures: the `epdctl` CliRunner, free ports, and fake-server topologies."""
+
+from __future__ import annotations
+
+import random
+import shlex
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from epdctl.cli import cli
+
+FAKE_SERVER = Path(__file__).parent / "fake_server.py"
+FAKE_PROXY = shlex.join([sys.executable, str(FAKE_SERVER)])
+
+
+@pytest.fixture
+def state_root(tmp_path: Path) -> Iterator[Path]:
+    """EPDCTL_STATE_DIR for a test; whatever a test leaves running there is stopped after it."""
+    root = tmp_path / "state"
+    root.mkdir()
+    yield root
+    from epdctl.launcher import scan_marked, stop_all
+
+    for run_dir in root.iterdir():
+        leftovers = scan_marked(run_dir)
+        if leftovers:
+            stop_all(leftovers, 2.0)
+
+
+@pytest.fixture
+def epdctl(state_root: Path) -> Callable[..., Result]:
+    """Run `epdctl ARGS...` in-process, as a user with a clean state root would."""
+
+    def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
+        base = {"EPDCTL_STATE_DIR": str(state_root), "NO_COLOR": "1", "COLUMNS": "100",
+                "EPDCTL_PROXY_COMMAND": FAKE_PROXY}
+        return CliRunner().invoke(cli, list(args), env={**base, **(env or {})},
+                                  catch_exceptions=False)
+
+    return invoke
+
+
+def is_port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> int:
+    """A base port with `count` consecutive free ports after it (plan() counts upwards)."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000)
+        if all(is_port_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no run of free ports found")
+
+
+@pytest.fixture
+def fake_topology(tmp_path: Path) -> Callable[..., Path]:
+    """Write a `device: cpu` topology whose engines are tests/fake_server.py; returns its path."""
+
+    def write(name: str = "fake", *, pd_args: tuple[str, ...] = (),
+              encode_args: tuple[str, ...] | None = (), extra: str = "") -> Path:
+        base = free_ports(8)
+        roles = ""
+        if encode_args is not None:
+            roles += f"  encode: {{args: {list(encode_args)!r}}}\n"
+        roles += f"  prefill_decode: {{args: {list(pd_args)!r}}}\n"
+        text = (
+            f"name: {name}\nmodel: fake-model\ndevice: cpu\n"
+            f"engine: {{command: [{sys.executable!r}, {str(FAKE_SERVER)!r}]}}\n"
+            f"cache: {{dir: {str(tmp_path / 'shm')!r}}}\n"
+            f"ports: {{base: {base}, side_channel_base: {base + 5}}}\n"
+            f"proxy: {{port: {base + 4}}}\n{extra}roles:\n{roles}"
+        )
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        return path
+
+    return write
