@@ -41,3 +41,7 @@ class StartupError(EpdctlError):
 
 class InstanceDiedError(EpdctlError):
     """An instance exited while the topology was serving in the foreground."""
+
+
+class RenderError(EpdctlError):
+    """The topology cannot be rendered for the requested target (e.g. Kubernetes)."""

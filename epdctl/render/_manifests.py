@@ -1,0 +1,248 @@
+"""Kubernetes object builders for render_k8s (plain dicts, in the order kubectl prints them)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from epdctl.plan import LaunchSpec
+from epdctl.topology import Topology
+
+HTTP_PORT = 8000
+NIXL_PORT = 5600
+CPU_PER_GPU = 4
+MEMORY_GIB_PER_GPU = 32
+# vLLM's TP workers exchange tensors through /dev/shm; the container default is 64 MiB.
+SHM_SIZE = "16Gi"
+# Weights download and load before /health answers: give startup 30 minutes.
+STARTUP_PERIOD_S = 10
+STARTUP_FAILURES = 180
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+CONFIG_DIR = "/etc/epdctl"
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineRole:
+    """One role's pods as the cluster runs them."""
+
+    role: str
+    name: str
+    """Object name: StatefulSet (or LeaderWorkerSet) and its headless Service."""
+    replicas: int
+    argv: tuple[str, ...]
+    env: tuple[Obj, ...]
+    ports: tuple[tuple[str, int], ...]
+    """Extra named container ports (transfer side channels)."""
+    gpus: int
+    """GPUs per pod."""
+    nodes: int = 1
+    """Pods per replica; more than 1 means tensor parallelism across nodes (LWS)."""
+
+    def pod_url(self, replica: int) -> str:
+        """The stable per-pod DNS name: StatefulSet and LWS leaders share the scheme."""
+        return f"http://{self.name}-{replica}.{self.name}:{HTTP_PORT}"
+
+
+def labels(topology: Topology, role: str | None = None) -> dict[str, str]:
+    result = {"app.kubernetes.io/managed-by": "epdctl", "epdctl/topology": topology.name}
+    if role:
+        result["epdctl/role"] = role
+    return result
+
+
+def _meta(name: str, topology: Topology, role: str | None = None) -> Obj:
+    return {"name": name, "labels": labels(topology, role)}
+
+
+def env_value(name: str, value: str) -> Obj:
+    return {"name": name, "value": value}
+
+
+def _env_field(name: str, path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _probes(path: str = "/health") -> Obj:
+    get = {"path": path, "port": "http"}
+    return {
+        "startupProbe": {"httpGet": get, "periodSeconds": STARTUP_PERIOD_S,
+                         "failureThreshold": STARTUP_FAILURES},
+        "readinessProbe": {"httpGet": get, "periodSeconds": 10, "timeoutSeconds": 5,
+                           "failureThreshold": 3},
+        "livenessProbe": {"httpGet": get, "periodSeconds": 30, "timeoutSeconds": 10,
+                          "failureThreshold": 5},
+    }
+
+
+def _resources(gpus: int) -> Obj:
+    memory = f"{MEMORY_GIB_PER_GPU * gpus}Gi"
+    gpu = str(gpus)
+    # No CPU limit: CFS throttling stalls the engine loop; memory is capped so /dev/shm is too.
+    return {
+        "requests": {"cpu": str(CPU_PER_GPU * gpus), "memory": memory, "nvidia.com/gpu": gpu},
+        "limits": {"memory": memory, "nvidia.com/gpu": gpu},
+    }
+
+
+def _engine_pod(role: EngineRole, image: str, argv: list[str], env: list[Obj],
+                has_http: bool) -> Obj:
+    ports = [{"name": "http", "containerPort": HTTP_PORT}] if has_http else []
+    ports += [{"name": n, "containerPort": p} for n, p in role.ports]
+    container: Obj = {
+        "name": "vllm",
+        "image": image,
+        "command": argv,
+        "env": [_env_field("POD_NAME", "metadata.name"), _env_field("POD_IP", "status.podIP"),
+                *env],
+        "ports": ports,
+        "resources": _resources(role.gpus),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    if has_http:
+        container.update(_probes())
+    return {
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}],
+    }
+
+
+def _template(topology: Topology, role: str, pod: Obj, extra: Mapping[str, str] = {}) -> Obj:
+    # The checksum changes the pod template when the topology does, so pods roll on apply.
+    digest = hashlib.sha256(topology.model_dump_json().encode()).hexdigest()[:16]
+    return {
+        "metadata": {"labels": {**labels(topology, role), **extra},
+                     "annotations": {"epdctl/topology-sha256": digest}},
+        "spec": pod,
+    }
+
+
+def headless_service(topology: Topology, role: EngineRole) -> Obj:
+    """Gives each pod a stable DNS name (`<name>-<i>.<name>`) the proxy can address."""
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(role.name, topology, role.role),
+        "spec": {
+            "clusterIP": "None",
+            "selector": labels(topology, role.role),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def stateful_set(topology: Topology, role: EngineRole, image: str) -> Obj:
+    pod = _engine_pod(role, image, list(role.argv), list(role.env), has_http=True)
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _meta(role.name, topology, role.role),
+        "spec": {
+            "serviceName": role.name,
+            "replicas": role.replicas,
+            # Replicas are independent engines: no reason to start them one by one.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": labels(topology, role.role)},
+            "template": _template(topology, role.role, pod),
+        },
+    }
+
+
+def leader_worker_set(topology: Topology, role: EngineRole, image: str) -> Obj:
+    """One vLLM engine spread over `nodes` pods: rank 0 serves HTTP, the rest run headless."""
+    multi = ["--nnodes", str(role.nodes), "--node-rank", "$(NODE_RANK)",
+             "--master-addr", "$(LWS_LEADER_ADDRESS)"]
+    env = [_env_field("NODE_RANK", f"metadata.labels['{LWS_WORKER_INDEX}']"), *role.env]
+    leader = _engine_pod(role, image, [*role.argv, *multi], env, has_http=True)
+    worker = _engine_pod(role, image, [*role.argv, *multi, "--headless"], env, has_http=False)
+    return {
+        "apiVersion": LWS_API, "kind": "LeaderWorkerSet",
+        "metadata": _meta(role.name, topology, role.role),
+        "spec": {
+            "replicas": role.replicas,
+            "leaderWorkerTemplate": {
+                "size": role.nodes,
+                # A TP group with a dead rank cannot serve; restart the whole group.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": _template(topology, role.role, leader),
+                "workerTemplate": _template(topology, role.role, worker),
+            },
+        },
+    }
+
+
+def engine_objects(topology: Topology, role: EngineRole, image: str) -> list[Obj]:
+    """StatefulSet + headless Service, or a LeaderWorkerSet (which makes its own Service)."""
+    if role.nodes > 1:
+        return [leader_worker_set(topology, role, image)]
+    return [headless_service(topology, role), stateful_set(topology, role, image)]
+
+
+def config_map(topology: Topology, text: str) -> Obj:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(f"{topology.name}-topology", topology),
+        "data": {"topology.yaml": text},
+    }
+
+
+def api_key_secret(topology: Topology) -> Obj:
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": _meta(f"{topology.name}-proxy-api-key", topology, "proxy"),
+        "stringData": {"api-key": topology.proxy.api_key or ""},
+    }
+
+
+def _proxy_argv(spec: LaunchSpec, urls: Mapping[str, str]) -> list[str]:
+    argv = ["python3", *spec.argv[1:]]
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--host":
+            argv[i + 1] = "0.0.0.0"
+        elif arg == "--port":
+            argv[i + 1] = str(HTTP_PORT)
+    return [urls.get(arg, arg) for arg in argv]
+
+
+def proxy_objects(
+    topology: Topology, spec: LaunchSpec, urls: Mapping[str, str], image: str
+) -> list[Obj]:
+    """The proxy's Deployment and its ClusterIP Service on proxy.port."""
+    name = f"{topology.name}-proxy"
+    env = []
+    if topology.proxy.api_key:
+        ref = {"name": f"{topology.name}-proxy-api-key", "key": "api-key"}
+        env.append({"name": "EPDCTL_PROXY_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    container: Obj = {
+        "name": "proxy",
+        "image": image,
+        "command": [a.replace("$(", "$$(") for a in _proxy_argv(spec, urls)],
+        "env": env,
+        "ports": [{"name": "http", "containerPort": HTTP_PORT}],
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "volumeMounts": [{"name": "topology", "mountPath": CONFIG_DIR, "readOnly": True}],
+        **_probes(),
+    }
+    container["startupProbe"]["failureThreshold"] = 30
+    pod = {
+        "containers": [container],
+        "volumes": [{"name": "topology", "configMap": {"name": f"{topology.name}-topology"}}],
+    }
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, topology, "proxy"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels(topology, "proxy")},
+            "template": _template(topology, "proxy", pod),
+        },
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(name, topology, "proxy"),
+        "spec": {
+            "selector": labels(topology, "proxy"),
+            "ports": [{"name": "http", "port": topology.proxy.port, "targetPort": "http"}],
+        },
+    }
+    return [service, deployment]

@@ -1,0 +1,87 @@
+"""What a Kubernetes rendering does differently from `epdctl up`, and why (one line each)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from epdctl import cache
+from epdctl.plan import Plan
+from epdctl.topology import Topology
+
+if TYPE_CHECKING:
+    from epdctl.render._manifests import EngineRole
+    from epdctl.render.k8s import K8sOptions
+
+
+def _ec_notes(topology: Topology, options: K8sOptions) -> list[str]:
+    name = options.ec_connector
+    lines = [
+        f"EC transfer uses {name}, not {cache.CONNECTOR_NAME}: a shared-memory store does not "
+        "cross nodes (the cache: section is not used)."
+    ]
+    if name == "ECMooncakeConnector":
+        lines += [
+            "ECMooncakeConnector: mooncake_protocol tcp (set rdma where pods have RDMA NICs); "
+            "each pod's control socket is $(POD_IP):14579; encode must keep tensor_parallel 1.",
+            "NOT YET WORKING: Mooncake needs the proxy to assign a transfer_id per media item and "
+            "to tell E each consumer's control socket; epdctl's proxy does not speak that "
+            "protocol yet, so encoder outputs will not reach P/PD until it does.",
+        ]
+    elif name == "ECCPUConnector":
+        lines.append(
+            "ECCPUConnector: ec_cpu_bytes from cache.capacity, NIXL pull over "
+            "VLLM_EC_SIDE_CHANNEL_HOST=$(POD_IP); it needs vLLM's V2 model runner."
+        )
+    else:
+        lines.append(f"epdctl knows no settings for {name}: add its ec_connector_extra_config "
+                     "to the rendered --ec-transfer-config by hand.")
+    return lines
+
+
+def notes(
+    topology: Topology, roles: list[EngineRole], options: K8sOptions, local: Plan
+) -> list[str]:
+    """The differences from the local plan, most important first."""
+    lines: list[str] = []
+    if "encode" in topology.roles:
+        lines += _ec_notes(topology, options)
+    if any(r.role in ("prefill", "decode") for r in roles):
+        lines.append(
+            "KV transfer uses NIXL across pods: VLLM_NIXL_SIDE_CHANNEL_HOST is the pod IP "
+            "(localhost locally) and every P/D pod uses side-channel port 5600."
+        )
+    lines.append(
+        "Every instance listens on 0.0.0.0:8000 in its own pod and gets whole GPUs "
+        "(nvidia.com/gpu) instead of ports.* and CUDA_VISIBLE_DEVICES."
+    )
+    used = Counter(g for s in local.instances for g in s.gpus)
+    if any(n > 1 for n in used.values()):
+        lines.append(
+            "Roles that share a GPU locally get one GPU per pod here; their "
+            "gpu_memory_utilization is kept as written (raise it to use the whole GPU)."
+        )
+    for role in roles:
+        if role.nodes > 1:
+            lines.append(
+                f"roles -> {role.role}: tensor_parallel {role.nodes * role.gpus} spans "
+                f"{role.nodes} nodes of {role.gpus} GPU(s): a LeaderWorkerSet ({role.name}), "
+                "which needs the LWS controller installed and makes its own headless Service."
+            )
+    if Path(topology.model).is_absolute():
+        lines.append(
+            f"model is a local path ({topology.model}): mount it at the same path in the "
+            "engine pods, or use a Hugging Face id."
+        )
+    if topology.restart.policy != "no":
+        lines.append("restart: Kubernetes restarts failed pods itself; restart.* is not used.")
+    lines.append(
+        f"The proxy runs `python3 -m epdctl.proxy` with one URL per pod (stable StatefulSet "
+        f"DNS names): the image ({options.image}) must have epdctl installed."
+    )
+    if topology.proxy.api_key:
+        lines.append(
+            f"proxy.api_key is in Secret {topology.name}-proxy-api-key, not in the ConfigMap."
+        )
+    return lines

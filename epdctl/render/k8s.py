@@ -1,0 +1,207 @@
+"""render_k8s(): a topology as Kubernetes manifests, from the same plan `up` runs locally."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from epdctl import cache
+from epdctl.errors import RenderError
+from epdctl.plan import LaunchSpec, plan
+from epdctl.render import _manifests as m
+from epdctl.render._notes import notes as _notes
+from epdctl.topology import ROLE_NAMES, ROLE_PREFIX, Topology
+
+DEFAULT_IMAGE = "vllm/vllm-openai:latest"
+DEFAULT_EC_CONNECTOR = "ECMooncakeConnector"
+MOONCAKE_PORT = 14579
+# Flags the local plan binds to this machine; the cluster gets its own values.
+_LOCAL_FLAGS = ("--host", "--port", "--ec-transfer-config", "--kv-transfer-config")
+# Env the local plan uses to share one machine; pods get whole GPUs and their own ports.
+_LOCAL_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT",
+    "VLLM_CPU_OMP_THREADS_BIND",
+)
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """Render-time choices about the cluster (the topology says what runs)."""
+
+    namespace: str | None = None
+    image: str = DEFAULT_IMAGE
+    ec_connector: str = DEFAULT_EC_CONNECTOR
+    gpus_per_node: int | None = None
+    """GPUs one node offers; a role whose tensor_parallel is larger spans nodes (LWS)."""
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """The manifests, and how they differ from what `up` would start locally."""
+
+    objects: tuple[dict[str, Any], ...]
+    notes: tuple[str, ...] = field(default=())
+
+
+def _pop_flags(argv: Sequence[str], flags: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """argv without `--flag V` / `--flag=V` for each flag, and the values removed."""
+    rest: list[str] = []
+    found: dict[str, str] = {}
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg in flags and i + 1 < len(argv):
+            found[arg], skip = argv[i + 1], True
+        elif arg.split("=", 1)[0] in flags and "=" in arg:
+            key, value = arg.split("=", 1)
+            found[key] = value
+        else:
+            rest.append(arg)
+    return rest, found
+
+
+def escape(value: str) -> str:
+    """Keep kubelet from expanding `$(VAR)` in a user's argument: the plan passes it literally."""
+    return value.replace("$(", "$$(")
+
+
+def _ec_config(local: dict[str, Any], connector: str, topology: Topology) -> tuple[dict, list]:
+    """The cluster EC config for one instance, and the env it needs."""
+    config: dict[str, Any] = {
+        "ec_connector": connector,
+        "ec_role": local["ec_role"],
+        "engine_id": "$(POD_NAME)",
+    }
+    env: list[dict[str, Any]] = []
+    if connector == "ECMooncakeConnector":
+        # The consumer's control socket must be reachable from E on another node.
+        config.update(ec_ip="$(POD_IP)", ec_port=MOONCAKE_PORT)
+        config["ec_connector_extra_config"] = {"mooncake_protocol": "tcp"}
+    elif connector == "ECCPUConnector":
+        config["ec_connector_extra_config"] = {
+            "ec_cpu_bytes": topology.cache.capacity,
+            "ec_enable_nixl": True,
+        }
+        env.append(m.env_value("VLLM_EC_SIDE_CHANNEL_HOST", "$(POD_IP)"))
+    return config, env
+
+
+def _kv_config(local: dict[str, Any]) -> tuple[dict, list]:
+    """The cluster KV config: file-based ExampleConnector cannot cross pods, NIXL can."""
+    config = dict(local)
+    if config["kv_connector"] == "ExampleConnector":
+        config["kv_connector"] = "NixlConnector"
+        config.pop("kv_connector_extra_config", None)
+    env: list[dict[str, Any]] = []
+    if config["kv_connector"].startswith("Nixl"):
+        env = [m.env_value("VLLM_NIXL_SIDE_CHANNEL_HOST", "$(POD_IP)"),
+               m.env_value("VLLM_NIXL_SIDE_CHANNEL_PORT", str(m.NIXL_PORT))]
+    return config, env
+
+
+def _engine_role(
+    topology: Topology, spec: LaunchSpec, options: K8sOptions
+) -> m.EngineRole:
+    """One role's pods, from its first replica's local launch spec."""
+    role = topology.roles[spec.role]
+    argv, found = _pop_flags(spec.argv, _LOCAL_FLAGS)
+    at = spec.argv.index("--host")
+    argv = [escape(a) for a in argv]
+    argv[at:at] = ["--host", "0.0.0.0", "--port", str(m.HTTP_PORT)]
+    env = [m.env_value(k, escape(v)) for k, v in spec.env.items() if k not in _LOCAL_ENV]
+    ports = []
+    if "--ec-transfer-config" in found:
+        ec, ec_env = _ec_config(json.loads(found["--ec-transfer-config"]), options.ec_connector,
+                                topology)
+        argv += ["--ec-transfer-config", json.dumps(ec, separators=(",", ":"))]
+        env += ec_env
+        if options.ec_connector == "ECMooncakeConnector":
+            ports.append(("ec-control", MOONCAKE_PORT))
+    if "--kv-transfer-config" in found:
+        kv, kv_env = _kv_config(json.loads(found["--kv-transfer-config"]))
+        argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+        env += kv_env
+        if kv_env:
+            ports.append(("nixl", m.NIXL_PORT))
+    per_node = options.gpus_per_node or role.tensor_parallel
+    nodes = max(1, role.tensor_parallel // per_node)
+    return m.EngineRole(
+        role=spec.role, name=f"{topology.name}-{ROLE_PREFIX[spec.role]}", replicas=role.replicas,
+        argv=tuple(argv), env=tuple(env), ports=tuple(ports),
+        gpus=min(per_node, role.tensor_parallel), nodes=nodes,
+    )
+
+
+def _check(topology: Topology, options: K8sOptions) -> None:
+    if topology.device == "cpu":
+        raise RenderError(
+            f"`{topology.name}` is a `device: cpu` topology: it runs on one machine only "
+            "(shared-memory EC store, file-based KV); use `epdctl up`, or set `device: cuda`"
+        )
+    if not topology.name[0].isalpha():
+        raise RenderError(
+            f"name: `{topology.name}` must start with a letter to name Kubernetes Services"
+        )
+    if options.ec_connector == cache.CONNECTOR_NAME and "encode" in topology.roles:
+        raise RenderError(
+            f"--ec-connector {cache.CONNECTOR_NAME}: epdctl's shared-memory store does not "
+            "cross nodes; pick a network connector such as ECMooncakeConnector"
+        )
+    encode = topology.roles.get("encode")
+    if options.ec_connector == "ECMooncakeConnector" and encode and encode.tensor_parallel > 1:
+        raise RenderError(
+            f"roles -> encode -> tensor_parallel: ECMooncakeConnector producers need 1, "
+            f"not {encode.tensor_parallel}; use more encode replicas instead"
+        )
+    gpn = options.gpus_per_node
+    for name, role in topology.roles.items():
+        if gpn and role.tensor_parallel > gpn and role.tensor_parallel % gpn:
+            raise RenderError(
+                f"roles -> {name} -> tensor_parallel: {role.tensor_parallel} does not split "
+                f"into nodes of {gpn} GPU(s) (--gpus-per-node)"
+            )
+
+
+def render_k8s(topology: Topology, source_text: str, options: K8sOptions) -> Rendering:
+    """Every Kubernetes object the topology needs, and notes on what differs from `up`."""
+    _check(topology, options)
+    gpus = sum(r.replicas * r.tensor_parallel for r in topology.roles.values())
+    explicit = [g for r in topology.roles.values() if isinstance(r.gpus, list) for g in r.gpus]
+    visible = [str(i) for i in range(max([gpus, *(g + 1 for g in explicit)]))]
+    local = plan(topology, Path("/epdctl"), visible_gpus=visible, python="python3")
+    roles: list[m.EngineRole] = []
+    for role_name in ROLE_NAMES:
+        specs = [s for s in local.instances if s.role == role_name]
+        if specs:
+            roles.append(_engine_role(topology, specs[0], options))
+    # Instance `pd-1` runs as pod `<topology>-pd-1`: the proxy keeps one URL per instance.
+    urls = {s.url: role.pod_url(int(s.name.rsplit("-", 1)[1]))
+            for role in roles for s in local.instances if s.role == role.role}
+    objects = [m.config_map(topology, _redacted(topology, source_text))]
+    if topology.proxy.api_key:
+        objects.append(m.api_key_secret(topology))
+    for role in roles:
+        objects += m.engine_objects(topology, role, options.image)
+    objects += m.proxy_objects(topology, local.proxy, urls, options.image)
+    if options.namespace:
+        for obj in objects:
+            obj["metadata"]["namespace"] = options.namespace
+    return Rendering(objects=tuple(objects), notes=tuple(_notes(topology, roles, options, local)))
+
+
+def _redacted(topology: Topology, source_text: str) -> str:
+    """The topology text for the ConfigMap; the proxy's api_key goes to a Secret instead."""
+    if not topology.proxy.api_key:
+        return source_text
+    import yaml
+
+    data = yaml.safe_load(source_text)
+    data["proxy"].pop("api_key", None)
+    return yaml.safe_dump(data, sort_keys=False)
+
