@@ -1,0 +1,319 @@
+"""EpdctlShmECConnector: vLLM's ECConnectorBase on top of the shared-memory store."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
+from vllm.distributed.ec_transfer.ec_connector.utils import (
+    PlaceholderMetadataResolver,
+    collect_ec_item_metadata,
+)
+from vllm.logger import init_logger
+
+from epdctl.cache._format import EntryHeader
+from epdctl.cache.stats import StatsWriter
+from epdctl.cache.store import Miss, Pin, Store, unpin
+from epdctl.connector import _io
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+DEFAULT_STORE_DIR = "/dev/shm/epdctl"
+
+
+@dataclass(frozen=True)
+class _Load:
+    mm_hash: str
+    paths: tuple[str, ...]  # one pin per loading rank, then the entry itself
+    header: EntryHeader
+
+
+@dataclass
+class EpdctlECMetadata(ECConnectorMetadata):
+    """Scheduler -> worker, once per step: entries to load, items to republish."""
+
+    loads: list[_Load] = field(default_factory=list)
+    republish: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Held:
+    pin: Pin
+    requests: set[str]
+
+
+class EpdctlShmECConnector(ECConnectorBase):
+    """E saves each encoder output to tmpfs; P/PD pin, validate and load it."""
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        cfg = vllm_config.ec_transfer_config
+        assert cfg is not None  # the base class raised otherwise
+        extra = cfg.ec_connector_extra_config
+        self._store = Store(
+            extra.get("store_dir", DEFAULT_STORE_DIR), extra.get("namespace", "default")
+        )
+        self._store.create()
+        self._engine_id = str(cfg.engine_id)
+        self._dtype = _io.dtype_name(vllm_config.model_config.dtype)
+        parallel = vllm_config.parallel_config
+        # Every TP x PCP rank of the first PP stage loads, each through its own pin.
+        self._ranks = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
+        self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
+        self._stats: StatsWriter | None = None
+        # Scheduler side.
+        self._pins: dict[str, _Held] = {}
+        self._local: dict[str, set[str]] = {}  # request -> items it encodes itself
+        self._failed: set[str] = set()
+        self._unavailable: set[str] = set()
+        self._seen: set[str] = set()
+        self._meta = EpdctlECMetadata()
+        # Worker side (lazy: the distributed groups exist only later).
+        self._rank: int | None = None
+        self._staging: _io.HostStaging | None = None
+
+    def _stat(self, key: str | None = None, **counts: float) -> None:
+        if self._stats is None:
+            side = "scheduler" if self.role == ECConnectorRole.SCHEDULER else f"worker{self._rank}"
+            self._stats = StatsWriter(self._store.root, f"{self._engine_id}-{side}")
+        self._stats.add(key, **counts)
+
+    @override
+    def has_cache_item(self, identifier: str) -> bool:
+        """Scheduler side: True only for an entry this connector pinned and validated."""
+        # E always encodes (False): a fresh save also replaces a damaged entry.
+        return identifier in self._pins
+
+    @override
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """Scheduler side: pin every needed entry, or choose local encoding, or fail."""
+        rid = request.request_id
+        if not self.is_consumer:
+            if self.is_producer and rid not in self._seen:
+                self._seen.add(rid)
+                self._refresh(request)
+            return True
+        if rid in self._failed:
+            return False
+        for index, feature in enumerate(request.mm_features):
+            pos = feature.mm_position
+            key = feature.identifier
+            if pos.offset + pos.length <= num_computed_tokens or key in self._local.get(rid, ()):
+                continue
+            if (held := self._pins.get(key)) is not None:
+                held.requests.add(rid)
+                continue
+            result = self._store.pin(
+                key,
+                engine=self._engine_id,
+                request=rid,
+                index=index,
+                rows=pos.get_num_embeds(),
+                dtype=self._dtype,
+                ranks=self._ranks,
+            )
+            if isinstance(result, Pin):
+                self._pins[key] = _Held(result, {rid})
+                self._stat(key, hits=1)
+                continue
+            self._stat(misses=1, invalid=0 if result.is_missing else 1)
+            if not self._miss(request, feature, result):
+                return False
+        return True
+
+    def _miss(self, request: Request, feature: MultiModalFeatureSpec, miss: Miss) -> bool:
+        """Encode locally if the request carries the media; else fail it (retryable)."""
+        rid, key = request.request_id, feature.identifier
+        if _has_model_input(feature, self._resolver.fields_for(feature.modality)):
+            logger.debug("EC store miss for %s (%s): encoding locally", key, miss.reason)
+            self._local.setdefault(rid, set()).add(key)
+            return True
+        logger.warning(
+            "EC store miss for %s (%s) and request %s has no media to encode: failing it",
+            key,
+            miss.reason,
+            rid,
+        )
+        self._failed.add(rid)
+        self._unavailable.add(rid)
+        return False
+
+    def _refresh(self, request: Request) -> None:
+        """Producer: touch entries E answers from; queue local-cache hits the store lacks."""
+        for feature in request.mm_features:
+            if not self._store.touch(feature.identifier):
+                self._meta.republish.append(feature.identifier)
+
+    @override
+    def take_unavailable_requests(self) -> set[str]:
+        """Scheduler side: requests whose entries are gone and that have no media."""
+        taken, self._unavailable = self._unavailable, set()
+        return taken
+
+    @override
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        """Scheduler side: hand a pinned entry to the workers for this step."""
+        key = request.mm_features[index].identifier
+        held = self._pins.pop(key, None)
+        if held is not None:
+            paths = (*held.pin.paths, self._store.entry_path(key))
+            self._meta.loads.append(_Load(key, paths, held.pin.header))
+
+    @override
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        """Scheduler side: this step's loads; a fresh object each step, never mutated later."""
+        meta, self._meta = self._meta, EpdctlECMetadata()
+        return meta
+
+    @override
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler side: drop unused pins; on E, report items whose entry is committed."""
+        rid = request.request_id
+        self._local.pop(rid, None)
+        self._failed.discard(rid)
+        self._seen.discard(rid)
+        for feature in request.mm_features:
+            held = self._pins.get(feature.identifier)
+            # Pins never handed to a worker have no load in flight: safe to drop.
+            if held is not None and not (held.requests - {rid}):
+                unpin(held.pin.paths)
+                del self._pins[feature.identifier]
+            elif held is not None:
+                held.requests.discard(rid)
+        if not self.is_producer:
+            return False, None
+        items = collect_ec_item_metadata(request.mm_features, self._resolver)
+        for key, item in items.items():
+            if not self._store.has_entry(key):
+                item["metadata"] = {}  # not saved (store full?): the proxy keeps the media
+        return False, items or None
+
+    @override
+    def has_pending_push_work(self) -> bool:
+        """Scheduler side: nothing is pushed; entries are complete when E answers."""
+        return False
+
+    @override
+    def start_save_caches(self, **kwargs: Any) -> None:
+        """Worker side: publish local-cache hits that are missing from the store."""
+        encoder_cache = kwargs.get("encoder_cache")
+        meta = self._connector_metadata
+        if encoder_cache is None or not isinstance(meta, EpdctlECMetadata):
+            return
+        for key in meta.republish:
+            if key in encoder_cache and not self._store.has_entry(key):
+                self.save_caches(encoder_cache, key)
+
+    @override
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        """Worker side: write the entry (rank 0 of a producer only); never raises."""
+        # V1 calls this in every role, also when a consumer encodes locally.
+        if not self.is_producer or self._worker_rank() != 0 or mm_hash not in encoder_cache:
+            return
+        start = time.perf_counter()
+        try:
+            with _sync_allowed():
+                nbytes = _io.save_tensor(self._store, mm_hash, encoder_cache[mm_hash], self._host())
+        except Exception as exc:  # a full tmpfs must not kill the encoder
+            logger.warning("EC store: could not save %s: %s", mm_hash, exc)
+            self._stat(save_failures=1)
+            return
+        self._stat(saves=1, save_bytes=nbytes, save_s=time.perf_counter() - start)
+        logger.debug("EC store: saved %s (%d bytes)", mm_hash, nbytes)
+
+    @override
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """Worker side: read this step's entries through this rank's pins, then unpin."""
+        meta = self._connector_metadata
+        if not isinstance(meta, EpdctlECMetadata) or not meta.loads:
+            return
+        rank = self._worker_rank()
+        todo = [load for load in meta.loads if load.mm_hash not in encoder_cache]
+        start = time.perf_counter()
+        tensors = _io.load_tensors(
+            [(_read_paths(load, rank), load.header) for load in todo], self._device(), self._host()
+        )
+        elapsed = time.perf_counter() - start
+        for load, tensor in zip(todo, tensors, strict=True):
+            if isinstance(tensor, torch.Tensor):
+                encoder_cache[load.mm_hash] = tensor
+                self._stat(load.mm_hash, loads=1, load_bytes=load.header.nbytes, load_s=elapsed)
+                logger.debug("Success load encoder cache for hash %s", load.mm_hash)
+            else:
+                # Only a pin removed by hand gets here; vLLM then reports the cache miss.
+                logger.error("EC store: could not load %s: %s", load.mm_hash, tensor)
+                self._stat(load_failures=1)
+        for load in meta.loads:
+            if rank < len(load.paths) - 1:
+                unpin([load.paths[rank]])
+
+    def _worker_rank(self) -> int:
+        if self._rank is None:
+            from vllm.distributed.parallel_state import (
+                get_pcp_group,
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            tp = get_tensor_model_parallel_world_size()
+            self._rank = get_tensor_model_parallel_rank() + tp * get_pcp_group().rank_in_group
+        return self._rank
+
+    def _device(self) -> torch.device:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda_alike():
+            return torch.device(current_platform.device_type, torch.cuda.current_device())
+        return torch.device(current_platform.device_type)
+
+    def _host(self) -> _io.HostStaging:
+        if self._staging is None:
+            self._staging = _io.HostStaging(self._device())
+        return self._staging
+
+    @override
+    def shutdown(self) -> None:
+        """Both sides: release pins no worker will read, write the last stats."""
+        for held in self._pins.values():
+            unpin(held.pin.paths)
+        self._pins.clear()
+        if self._stats is not None:
+            self._stats.close()
+
+
+def _read_paths(load: _Load, rank: int) -> tuple[str, ...]:
+    """This rank's pin, then the entry's own name in case the pin was removed by hand."""
+    pins, entry = load.paths[:-1], load.paths[-1]
+    return (pins[rank], entry) if rank < len(pins) else (entry,)
+
+
+def _has_model_input(feature: MultiModalFeatureSpec, metadata_fields: set[str]) -> bool:
+    """Whether the item carries media the local encoder can run on (not metadata only)."""
+    # Same rule as vLLM's ECCPU connector: a field outside the placeholder metadata
+    # (pixel values, passthrough embeddings) with data means the item can be encoded.
+    data = feature.data
+    if not data:
+        return False
+    return any(v.data is not None for k, v in data.items() if k not in metadata_fields)
+
+
+def _sync_allowed() -> Any:
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+    return gpu_sync_allowed()
