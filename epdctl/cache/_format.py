@@ -17,6 +17,7 @@ PAGE_BYTES = 4096
 ENTRY_SUFFIX = ".ec"
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]+")
+_SAFE_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MAX_KEY_CHARS = 100
 _MAX_PART_CHARS = 48
 
@@ -50,6 +51,13 @@ def _safe_name(text: str, max_chars: int) -> str:
 def key_filename(key: str) -> str:
     """The file name stem of `key` (mm_hash may hold ':' or be chosen by a client)."""
     return _safe_name(key, _MAX_KEY_CHARS)
+
+
+def namespace_dirname(namespace: str) -> str:
+    """The directory name of a namespace: itself when it is a plain name."""
+    if len(namespace) <= 200 and _SAFE_DIR.fullmatch(namespace):
+        return namespace
+    return _safe_name(namespace, 0)
 
 
 def name_part(text: str) -> str:

@@ -24,7 +24,9 @@ class Entry:
 
 
 def namespace_dirs(root: Path) -> list[Path]:
-    """Namespace directories under a store root, sorted."""
+    """Namespace directories under a store root (or `root` itself if it is one), sorted."""
+    if (root / ENTRIES).is_dir():
+        return [root]
     try:
         return sorted(d for d in root.iterdir() if d.is_dir() and (d / ENTRIES).is_dir())
     except FileNotFoundError:

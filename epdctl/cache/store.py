@@ -21,6 +21,7 @@ from epdctl.cache._format import (
     format_bytes,
     key_filename,
     name_part,
+    namespace_dirname,
     payload_nbytes,
 )
 from epdctl.errors import CacheError
@@ -55,7 +56,7 @@ class Store:
 
     def __init__(self, store_dir: str | os.PathLike[str], namespace: str) -> None:
         self.namespace = namespace
-        self.root = Path(store_dir) / name_part(namespace)
+        self.root = Path(store_dir) / namespace_dirname(namespace)
         self.entries = self.root / ENTRIES
         self.pins = self.root / PINS
         self.tmp = self.root / TMP
