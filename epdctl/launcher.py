@@ -162,6 +162,8 @@ def group_alive(pgid: int, popen: subprocess.Popen[bytes] | None = None) -> bool
                 return True
         except (ProcessLookupError, PermissionError):
             continue
+    if popen is not None:
+        popen.poll()  # it became a zombie since the first poll: reap it now
     return False
 
 

@@ -46,7 +46,7 @@ def parse(argv: list[str]) -> dict:
 
 def make_handler(model: str, ready_at: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+        protocol_version = "HTTP/1.0"  # one request per connection: probes just close
 
         def log_message(self, fmt: str, *args: object) -> None:
             print(f"fake: {self.command} {self.path}", flush=True)

@@ -1,11 +1,113 @@
-"""Placeholder: replaced by the real `status` command."""
+"""`epdctl status`: what runs, and is it ready (table, --json, or --watch)."""
 
 from __future__ import annotations
 
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
 import click
+
+from epdctl.cli._app import App, pass_app
+from epdctl.cli._render import proxy_url, status_table
+
+if TYPE_CHECKING:
+    from epdctl.state import Record, RunState, SpecModel, StateDir
+
+
+def _rss(pid: int) -> int | None:
+    """Resident memory of the whole tree (vLLM's engine core and workers are children)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        total = 0
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                continue
+        return total
+    except psutil.Error:
+        return None
+
+
+def _instance(spec: SpecModel, record: Record | None, now: float) -> dict[str, Any]:
+    from epdctl.launcher import probe
+    from epdctl.state import process_matches
+
+    row: dict[str, Any] = {
+        "name": spec.name, "role": spec.role, "gpus": spec.gpus, "port": spec.port,
+        "url": spec.health_url.removesuffix("/health"), "pid": None, "state": "starting",
+        "uptime_s": None, "rss_bytes": None, "restarts": 0, "exit_code": None,
+        "log": spec.log_path,
+    }
+    if record is None:
+        return row
+    row.update(pid=record.pid, restarts=record.restarts, exit_code=record.exit_code)
+    match = process_matches(record.pid, record.create_time)
+    if match is None:
+        row["state"] = "stale"
+    elif not match:
+        row["state"] = "exited"
+    else:
+        is_ok = probe(spec.health_url) == 200
+        row["state"] = "ready" if is_ok else ("starting" if record.ready_at is None
+                                              else "unhealthy")
+        row["uptime_s"] = round(now - record.started_at, 1)
+        row["rss_bytes"] = _rss(record.pid)
+    return row
+
+
+def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
+    """The `status --json` document (stable keys)."""
+    from epdctl.state import process_matches
+
+    now = time.time()
+    instances = [_instance(s, state.records.get(s.name), now) for s in state.specs]
+    sup = state.supervisor
+    return {
+        "name": state.name, "phase": state.phase, "mode": state.mode,
+        "model": state.model_name, "topology": state.topology_path,
+        "state_dir": str(sdir.path), "proxy_url": proxy_url(state),
+        "supervisor": None if sup is None else {
+            "pid": sup.pid, "alive": bool(process_matches(sup.pid, sup.create_time))},
+        "ready": all(i["state"] == "ready" for i in instances),
+        "error": state.error,
+        "instances": instances,
+    }
 
 
 @click.command()
-def status() -> None:
-    """Not built yet"""
-    raise click.ClickException("not built yet")
+@click.option("--name", "name", metavar="NAME|FILE",
+              help="Topology name or file; default: the only one under the state dir.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--watch", "should_watch", is_flag=True, help="Redraw every second until Ctrl+C.")
+@click.pass_context
+@pass_app
+def status(app: App, ctx: click.Context, name: str | None, as_json: bool,
+           should_watch: bool) -> None:
+    """Show each instance's state; exit 0 only when all are ready"""
+    from epdctl.state import find_state_dir
+
+    sdir = find_state_dir(app.state_root, name)
+    doc = collect(sdir, sdir.read())
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    elif should_watch:
+        from rich.live import Live
+
+        try:
+            with Live(status_table(doc["instances"]), console=app.out,
+                      auto_refresh=False) as live:
+                while True:
+                    time.sleep(1.0)
+                    doc = collect(sdir, sdir.read())
+                    live.update(status_table(doc["instances"]), refresh=True)
+        except KeyboardInterrupt:
+            pass
+    else:
+        app.out.print(status_table(doc["instances"]))
+        if doc["error"]:
+            app.err.print(doc["error"], markup=False)
+    ctx.exit(0 if doc["ready"] else 1)

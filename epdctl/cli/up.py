@@ -39,11 +39,8 @@ def make_plan(app: App, topology: Topology) -> Plan:
 
     gpus: list[str] = []
     if topology.device == "cuda":
-        try:
-            from epdctl.gpus import visible_gpus
-        except ImportError:  # TODO(plan helper): drop once epdctl/gpus.py lands
-            def visible_gpus() -> list[str]:
-                return []
+        from epdctl.gpus import visible_gpus
+
         gpus = visible_gpus()
     result = plan(topology, app.state_dir(topology.name), visible_gpus=gpus,
                   vllm_version=_vllm_version(), cpu_count=os.cpu_count() or 1)
@@ -52,19 +49,6 @@ def make_plan(app: App, topology: Topology) -> Plan:
         argv = (*shlex.split(command), *result.proxy.argv[3:])
         result = dataclasses.replace(result, proxy=dataclasses.replace(result.proxy, argv=argv))
     return result
-
-
-def _check_ports(plan: Plan) -> None:
-    import socket
-
-    from epdctl.errors import PlanError
-
-    for spec in plan.specs:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", spec.port))
-            except OSError:
-                raise PlanError(f"port {spec.port} (`{spec.name}`) is already in use") from None
 
 
 def _refuse_if_running(sdir: StateDir) -> None:
@@ -157,12 +141,8 @@ def _detached(app: App, sdir: StateDir, state: RunState, fd: int, timeout_s: flo
 def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
        is_dry_run: bool) -> None:
     """Start a topology and wait until every instance is ready"""
+    from epdctl.ports import check_plan_ports
     from epdctl.state import StateDir
-
-    try:
-        from epdctl.ports import check_plan_ports
-    except ImportError:  # TODO(plan helper): drop once epdctl/ports.py lands
-        check_plan_ports = _check_ports
     from epdctl.topology import load_topology
 
     topology = load_topology(topology_path)
