@@ -1,0 +1,98 @@
+"""python -m epdctl.proxy: the proxy as its own process (argv built by epdctl.plan)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from epdctl.proxy.config import ProxyConfig
+
+log = logging.getLogger("epdctl.proxy")
+# vLLM drops idle keep-alive connections after 5 s; retire ours first so a request never
+# lands on a socket the server is closing.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int]:
+    """The config plus the address to bind."""
+    p = argparse.ArgumentParser(prog="python -m epdctl.proxy", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", action="append", required=True, help="served model name")
+    for role in ("encode", "pd", "prefill", "decode"):
+        p.add_argument(f"--{role}", action="append", default=[], metavar="URL")
+    p.add_argument("--encode-timeout", type=float, default=60.0)
+    p.add_argument("--prefill-timeout", type=float, default=120.0)
+    p.add_argument("--decode-timeout", type=float, default=120.0)
+    p.add_argument("--stream-idle-timeout", type=float, default=60.0)
+    p.add_argument("--max-inflight", type=int, default=256)
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0)
+    p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--eject-after", type=int, default=3)
+    p.add_argument("--no-metadata-rewrite", action="store_true")
+    p.add_argument("--api-key", default=os.environ.get("EPDCTL_PROXY_API_KEY") or None,
+                   help="default: $EPDCTL_PROXY_API_KEY")
+    a = p.parse_args(argv)
+    try:
+        config = ProxyConfig(
+            models=tuple(a.model), encode=tuple(a.encode), pd=tuple(a.pd),
+            prefill=tuple(a.prefill), decode=tuple(a.decode),
+            encode_timeout_s=a.encode_timeout, prefill_timeout_s=a.prefill_timeout,
+            decode_timeout_s=a.decode_timeout, stream_idle_timeout_s=a.stream_idle_timeout,
+            max_inflight=a.max_inflight, max_body_bytes=a.max_body_bytes,
+            media_fetch_timeout_s=a.media_fetch_timeout, health_interval_s=a.health_interval,
+            eject_after=a.eject_after, metadata_rewrite=not a.no_metadata_rewrite,
+            api_key=a.api_key,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+    return config, a.host, a.port
+
+
+async def serve(config: ProxyConfig, host: str, port: int) -> None:
+    """Own the shared client, run the health loop beside the server, close both on exit."""
+    import httpx
+    import uvicorn
+
+    from epdctl.proxy.app import create_app
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    timeout = httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        app = create_app(config, client)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=host, port=port, http="httptools", lifespan="off", access_log=False,
+            log_level="warning", timeout_keep_alive=30, backlog=4096))
+        health = asyncio.create_task(app.state.proxy.run_health_checks())
+        log.info("proxy on http://%s:%d mode=%s encode=%s pd=%s prefill=%s decode=%s "
+                 "rewrite=%s auth=%s", host, port, config.mode, list(config.encode),
+                 list(config.pd), list(config.prefill), list(config.decode),
+                 config.metadata_rewrite, "on" if config.api_key else "off")
+        try:
+            await server.serve()
+        finally:
+            health.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config, host, port = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(config, host, port))
+
+
+if __name__ == "__main__":
+    main()

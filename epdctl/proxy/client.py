@@ -1,0 +1,120 @@
+"""The one small interface between the proxy and its shared HTTP client (httpx by default)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
+
+import httpx
+
+from epdctl.proxy.errors import UpstreamError
+
+
+class Reply(Protocol):
+    """An upstream response whose body has not been read yet."""
+
+    status: int
+    content_type: str
+
+    async def read(self) -> bytes: ...
+    def chunks(self) -> AsyncIterator[bytes]: ...
+    async def close(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """POST to an instance, fetch media, probe health; failures raise UpstreamError."""
+
+    async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
+                   read_timeout_s: float, stage: str) -> Reply: ...
+    async def fetch(self, url: str, timeout_s: float, max_bytes: int) -> tuple[int, str, bytes]:
+        ...
+    async def probe(self, url: str, timeout_s: float) -> bool: ...
+
+
+def wrap(client: Any, connect_timeout_s: float = 5.0) -> Upstream:
+    """Our interface over a caller-owned client: httpx.AsyncClient or aiohttp.ClientSession."""
+    if isinstance(client, httpx.AsyncClient):
+        return HttpxUpstream(client, connect_timeout_s)
+    from epdctl.proxy.client_aiohttp import AiohttpUpstream
+
+    return AiohttpUpstream(client, connect_timeout_s)
+
+
+def _error(exc: Exception, stage: str, base: str) -> UpstreamError:
+    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "unavailable"
+    return UpstreamError(stage, base, kind, f"{type(exc).__name__}: {exc}".rstrip(": "))
+
+
+class HttpxReply:
+    """httpx.Response behind the Reply interface, translating httpx's errors."""
+
+    __slots__ = ("_resp", "_stage", "_base", "status", "content_type")
+
+    def __init__(self, resp: httpx.Response, stage: str, base: str) -> None:
+        self._resp = resp
+        self._stage = stage
+        self._base = base
+        self.status = resp.status_code
+        self.content_type = resp.headers.get("content-type", "application/json")
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.aread()
+        except httpx.TransportError as exc:
+            raise _error(exc, self._stage, self._base) from exc
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.aiter_raw():
+                yield chunk
+        except httpx.TransportError as exc:
+            raise _error(exc, self._stage, self._base) from exc
+
+    async def close(self) -> None:
+        await self._resp.aclose()
+
+
+class HttpxUpstream:
+    """The default client: one httpx.AsyncClient shared by every request."""
+
+    def __init__(self, client: httpx.AsyncClient, connect_timeout_s: float) -> None:
+        self._client = client
+        self._connect_s = connect_timeout_s
+        self._timeouts: dict[float, httpx.Timeout] = {}
+
+    def _timeout(self, read_s: float) -> httpx.Timeout:
+        timeout = self._timeouts.get(read_s)
+        if timeout is None:
+            timeout = self._timeouts[read_s] = httpx.Timeout(read_s, connect=self._connect_s)
+        return timeout
+
+    async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
+                   read_timeout_s: float, stage: str) -> HttpxReply:
+        request = self._client.build_request(
+            "POST", base + path, content=body, headers=headers,
+            timeout=self._timeout(read_timeout_s))
+        try:
+            resp = await self._client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise _error(exc, stage, base) from exc
+        return HttpxReply(resp, stage, base)
+
+    async def fetch(self, url: str, timeout_s: float, max_bytes: int) -> tuple[int, str, bytes]:
+        try:
+            async with self._client.stream("GET", url, timeout=self._timeout(timeout_s),
+                                           follow_redirects=True) as resp:
+                data = bytearray()
+                async for chunk in resp.aiter_bytes():
+                    data += chunk
+                    if len(data) > max_bytes:
+                        raise UpstreamError("media", url, "too large", f"over {max_bytes} bytes")
+                return resp.status_code, resp.headers.get("content-type", ""), bytes(data)
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+            raise _error(exc, "media", url) from exc
+
+    async def probe(self, url: str, timeout_s: float) -> bool:
+        try:
+            resp = await self._client.get(url, timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200

@@ -1,0 +1,115 @@
+"""The E stage: one non-streaming sub-request per distinct media item, in parallel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from epdctl.proxy.client import Upstream
+from epdctl.proxy.config import ProxyConfig
+from epdctl.proxy.errors import UpstreamError
+from epdctl.proxy.metrics import Metrics
+from epdctl.proxy.routing import CHAT, MediaItem, dumps, encoder_body
+from epdctl.proxy.trace import Trace
+from epdctl.proxy.upstreams import Pool
+
+log = logging.getLogger("epdctl.proxy")
+Reported = dict[str, tuple[str, dict[str, Any]]]
+
+
+class Encoder:
+    """Fans media out to the encode pool; a failed item falls back to raw media on PD."""
+
+    def __init__(self, config: ProxyConfig, pool: Pool, client: Upstream,
+                 metrics: Metrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.client = client
+        self.metrics = metrics
+
+    async def run(self, body: dict[str, Any], items: list[MediaItem],
+                  trace: Trace) -> tuple[Reported, dict[str, Any]]:
+        """E's (key, metadata) per item uuid, and its ec_transfer_params for PD."""
+        unique: dict[str, MediaItem] = {}
+        for item in items:
+            if item.uuid is not None:
+                unique.setdefault(item.uuid, item)
+        if not unique:
+            return {}, {}
+        self.metrics.fanout.observe(len(unique))
+        started = time.perf_counter()
+        results: dict[str, tuple[str, dict[str, Any], dict[str, Any]] | None] = {}
+        try:
+            # A deadline for the whole stage: whatever is unfinished falls back to PD.
+            async with asyncio.timeout(self.config.encode_timeout_s), asyncio.TaskGroup() as tg:
+                for n, item in enumerate(unique.values()):
+                    tg.create_task(self._one(body, item, n, trace, results))
+        except TimeoutError:
+            trace.notes.append("encode_timeout=1")
+        self.metrics.stage["encode"].observe(trace.timed("encode", started))
+        reported: Reported = {}
+        params: dict[str, Any] = {}
+        for key in unique:
+            result = results.get(key)
+            if result is None:
+                trace.fallbacks.append("encoder")
+                self.metrics.fallbacks.labels("encoder").inc()
+                continue
+            e_key, metadata, entry = result
+            reported[key] = (e_key, metadata)
+            if entry:
+                params[e_key] = entry
+        return reported, params
+
+    async def _one(self, body: dict[str, Any], item: MediaItem, n: int, trace: Trace,
+                   results: dict[str, Any]) -> None:
+        """Send one item, retrying once on another encoder; never raises."""
+        payload = dumps(encoder_body(body, item))
+        headers = {"content-type": "application/json", "x-request-id": f"{trace.rid}:enc{n}"}
+        avoid = None
+        for attempt in range(2):
+            inst = avoid = self.pool.pick(avoid)
+            inst.outstanding += 1
+            try:
+                reply = await self.client.post(inst.url, CHAT, payload, headers,
+                                               self.config.encode_timeout_s, "encode")
+                try:
+                    data = await reply.read()
+                finally:
+                    await reply.close()
+            except UpstreamError as exc:
+                problem, is_retryable = str(exc), exc.kind != "timeout"
+            else:
+                if reply.status == 200:
+                    results[item.uuid or ""] = _parse(data, item.uuid or "")
+                    return
+                problem = f"encode instance {inst.url}: HTTP {reply.status}: {data[:200]!r}"
+                is_retryable = reply.status >= 500
+            finally:
+                inst.outstanding -= 1
+            if not is_retryable or attempt == 1:
+                break
+            trace.retries += 1
+            self.metrics.retries.labels("encode").inc()
+        log.warning("rid=%s:enc%d encoder failed, PD will encode it: %s", trace.rid, n, problem)
+        results[item.uuid or ""] = None
+
+
+def _parse(data: bytes, uuid: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """E's key for the item, its metadata and its whole ec_transfer_params entry."""
+    try:
+        params = json.loads(data).get("ec_transfer_params")
+    except (ValueError, AttributeError):
+        params = None
+    if not isinstance(params, dict) or not params:
+        return uuid, {}, {}
+    # One item per sub-request: E's key is our uuid, or (with mm kwargs) a hash of it.
+    key = uuid if uuid in params else next(iter(params)) if len(params) == 1 else None
+    entry = params.get(key) if key is not None else None
+    if not isinstance(entry, dict):
+        return uuid, {}, {}
+    metadata = entry.get("metadata")
+    return key or uuid, metadata if isinstance(metadata, dict) else {}, entry

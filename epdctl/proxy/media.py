@@ -1,0 +1,82 @@
+"""Content-derived cache keys for media items.
+
+Choice for remote URLs: the proxy fetches an http(s) URL once (with a timeout and a size
+cap), hashes the bytes, and sends those bytes on to E and PD as a data URL. Hashing the URL
+string, as vLLM's example proxy does, would serve stale embeddings when the content behind
+a URL changes; fetching once also means E and PD cannot see two different versions of it.
+An unreachable URL is the client's problem: 400. Other schemes (file:, ...) get no key
+and skip E; PD handles (or rejects) them itself. A client-supplied `uuid` is used as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+
+from epdctl.proxy.client import Upstream
+from epdctl.proxy.errors import UpstreamError, bad_request
+from epdctl.proxy.routing import MediaItem
+
+
+def content_key(modality: str, data: bytes) -> str:
+    """sha256 over modality and bytes: same bytes, same key, on every instance."""
+    digest = hashlib.sha256(modality.encode())
+    digest.update(b"\0")
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def b64decode(text: str, what: str) -> bytes:
+    """Strict base64 (whitespace tolerated); a 400 for anything else."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"{what} is not valid base64") from None
+
+
+def data_url_bytes(url: str, what: str) -> bytes:
+    """The decoded payload of a `data:<mime>;base64,<data>` URL."""
+    head, sep, data = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise bad_request(f"{what}: only base64 data URLs are supported")
+    payload = b64decode(data, what)
+    if not payload:
+        raise bad_request(f"{what} is empty")
+    return payload
+
+
+async def assign_uuids(items: list[MediaItem], client: Upstream, timeout_s: float,
+                       max_bytes: int) -> None:
+    """Give every item without a client uuid a key from its content bytes (in place)."""
+    remote = []
+    for n, item in enumerate(items):
+        what = f"{item.part_type} #{n}"
+        if item.uuid is not None:
+            continue
+        if item.part_type == "input_audio":
+            item.uuid = content_key(item.modality, b64decode(item.ref, what))
+        elif item.ref.startswith("data:"):
+            item.uuid = content_key(item.modality, data_url_bytes(item.ref, what))
+        elif item.ref.startswith(("http://", "https://")):
+            remote.append(_fetch(item, what, client, timeout_s, max_bytes))
+    if remote:
+        await asyncio.gather(*remote)
+
+
+async def _fetch(item: MediaItem, what: str, client: Upstream, timeout_s: float,
+                 max_bytes: int) -> None:
+    try:
+        status, mime, data = await client.fetch(item.ref, timeout_s, max_bytes)
+    except UpstreamError as exc:
+        raise bad_request(f"{what}: could not fetch {item.ref}: {exc.detail}") from None
+    if status != 200 or not data:
+        raise bad_request(f"{what}: fetching {item.ref} gave HTTP {status}")
+    mime = mime.split(";", 1)[0].strip() or "application/octet-stream"
+    item.uuid = content_key(item.modality, data)
+    item.data_url = f"data:{mime};base64,{base64.b64encode(data).decode()}"

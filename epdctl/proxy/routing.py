@@ -1,0 +1,220 @@
+"""Pure request shaping over plain dicts: media items, stage payloads, request ids."""
+
+from __future__ import annotations
+
+import json
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Any
+
+from epdctl.proxy.errors import ProxyError, bad_request
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MEDIA_TYPES = {"image_url": "image", "audio_url": "audio", "input_audio": "audio",
+               "video_url": "video"}
+# Per-request kwargs that vLLM folds into the cache key (contracts §5.5).
+MM_KWARGS = ("mm_processor_kwargs", "media_io_kwargs")
+PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@dataclass
+class MediaItem:
+    """One media part of a chat request, where it sits and the key E and PD will use."""
+
+    msg: int
+    part: int
+    part_type: str
+    modality: str
+    ref: str
+    """The data URL, http(s) URL, other URL, or input_audio's base64 data."""
+    uuid: str | None
+    """Client-supplied, or filled in by media.assign_uuids from the content bytes."""
+    data_url: str | None = None
+    """Set when the proxy fetched a remote URL: the bytes it hashed, sent on instead."""
+
+
+def request_id(headers_value: str | None) -> str:
+    """The client's x-request-id, or a fresh one."""
+    if headers_value and len(headers_value) <= 200 and headers_value.isprintable():
+        return headers_value
+    return uuidlib.uuid4().hex
+
+
+def parse_body(raw: bytes, route: str, models: tuple[str, ...]) -> dict[str, Any]:
+    """Decode and check the fields the proxy relies on; vLLM checks the rest."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise bad_request("`model` must be a string", "model")
+        if model not in models:
+            raise ProxyError(404, f"The model `{model}` does not exist.",
+                             code="model_not_found", param="model")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise bad_request("`stream` must be a boolean", "stream")
+    for key in (*MM_KWARGS, "stream_options", "kv_transfer_params", "ec_transfer_params"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise bad_request(f"`{key}` must be an object", key)
+    if route == CHAT:
+        _check_messages(body.get("messages"))
+    elif not isinstance(body.get("prompt"), str | list):
+        raise bad_request("`prompt` must be a string or a list", "prompt")
+    return body
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` must be a non-empty list", "messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"messages[{i}].content must be a string or a list", "messages")
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise bad_request(f"{where} must be an object with a string `type`", "messages")
+            kind = part["type"]
+            if kind not in MEDIA_TYPES:
+                continue
+            payload = part.get(kind)
+            field = "data" if kind == "input_audio" else "url"
+            if not isinstance(payload, dict) or not isinstance(payload.get(field), str):
+                raise bad_request(f"{where}.{kind}.{field} must be a string", "messages")
+            if part.get("uuid") is not None and not isinstance(part["uuid"], str):
+                raise bad_request(f"{where}.uuid must be a string", "messages")
+
+
+def find_media(body: dict[str, Any]) -> list[MediaItem]:
+    """Every media part in a (checked) chat body, in order."""
+    items: list[MediaItem] = []
+    for i, msg in enumerate(body.get("messages") or ()):
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part["type"]
+            modality = MEDIA_TYPES.get(kind)
+            if modality is None:
+                continue
+            ref = part[kind]["data" if kind == "input_audio" else "url"]
+            items.append(MediaItem(i, j, kind, modality, ref, part.get("uuid") or None))
+    return items
+
+
+def _media_part(part: dict[str, Any], item: MediaItem) -> dict[str, Any]:
+    """A copy of a media part carrying the item's uuid (and fetched bytes, if any)."""
+    new = dict(part)
+    if item.data_url is not None:
+        new[item.part_type] = {**part[item.part_type], "url": item.data_url}
+    if item.uuid is not None:
+        new["uuid"] = item.uuid
+    return new
+
+
+def replace_parts(body: dict[str, Any], parts: dict[tuple[int, int], dict[str, Any]],
+                  drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A copy of body with the given (message, part) slots replaced; body is not touched."""
+    messages = list(body["messages"])
+    for (i, j), new in parts.items():
+        if messages[i] is body["messages"][i]:
+            messages[i] = {**messages[i], "content": list(messages[i]["content"])}
+        messages[i]["content"][j] = new
+    out = {k: v for k, v in body.items() if k not in drop}
+    out["messages"] = messages
+    return out
+
+
+def with_keys(body: dict[str, Any], items: list[MediaItem]) -> dict[str, Any]:
+    """The client's body with each media part carrying its key: what PD gets as raw media."""
+    parts = {(it.msg, it.part): _media_part(body["messages"][it.msg]["content"][it.part], it)
+             for it in items if it.uuid is not None}
+    return replace_parts(body, parts) if parts else body
+
+
+def encoder_body(body: dict[str, Any], item: MediaItem) -> dict[str, Any]:
+    """One item alone, non-streaming, with the kwargs that change its cache key."""
+    part = _media_part(body["messages"][item.msg]["content"][item.part], item)
+    out: dict[str, Any] = {"messages": [{"role": "user", "content": [part]}], "stream": False}
+    if body.get("model") is not None:
+        out["model"] = body["model"]
+    for key in MM_KWARGS:
+        if body.get(key) is not None:
+            out[key] = body[key]
+    return out
+
+
+def flat_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """One flat list per field: PD rejects the nested `[[1, 4, 4]]` form."""
+    out = {}
+    for key, value in metadata.items():
+        if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+            value = [x for v in value for x in v]
+        out[key] = value
+    return out
+
+
+def rewrite_media(
+    body: dict[str, Any], items: list[MediaItem], reported: dict[str, tuple[str, dict]]
+) -> dict[str, Any] | None:
+    """Replace media by `*_embeds` metadata parts where E reported metadata; None if none.
+
+    `reported` maps an item's uuid to (E's key, its metadata). A modality is rewritten only
+    when every one of its items has metadata: vLLM rejects a request mixing raw and embeds
+    parts of one modality. With per-request mm kwargs, all items or none, because the kwargs
+    are dropped from a rewritten request (they would re-hash E's key into another one).
+    """
+    ready: dict[str, bool] = {}
+    for it in items:
+        ok = it.uuid is not None and bool(reported.get(it.uuid, ("", {}))[1])
+        ready[it.modality] = ready.get(it.modality, True) and ok
+    has_kwargs = any(body.get(k) for k in MM_KWARGS)
+    if not any(ready.values()) or (has_kwargs and not all(ready.values())):
+        return None
+    parts = {}
+    for it in items:
+        if not ready[it.modality]:
+            parts[(it.msg, it.part)] = _media_part(
+                body["messages"][it.msg]["content"][it.part], it)
+            continue
+        key, metadata = reported[it.uuid]  # type: ignore[index]
+        kind = f"{it.modality}_embeds"
+        parts[(it.msg, it.part)] = {"type": kind, kind: flat_metadata(metadata), "uuid": key}
+    return replace_parts(body, parts, drop=MM_KWARGS)
+
+
+def with_ec_params(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """E's ec_transfer_params merged into the PD body, for connectors that locate data by it."""
+    if not params:
+        return body
+    return {**body, "ec_transfer_params": {**(body.get("ec_transfer_params") or {}), **params}}
+
+
+def prefill_body(body: dict[str, Any], route: str) -> dict[str, Any]:
+    """P's copy: one token, no streaming, asking P to keep the KV for a remote decode."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out.update(kv_transfer_params=dict(PREFILL_KV), stream=False, max_tokens=1)
+    if route == CHAT:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_params: object) -> dict[str, Any]:
+    """D's copy: P's returned kv_transfer_params, so D pulls the KV instead of prefilling."""
+    if not isinstance(kv_params, dict) or not kv_params:
+        return body
+    return {**body, "kv_transfer_params": kv_params}
+
+
+def dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()

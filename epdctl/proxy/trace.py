@@ -1,0 +1,46 @@
+"""Per-request bookkeeping: stage timings, retries and fallbacks, and its one log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("epdctl.proxy")
+
+
+@dataclass
+class Trace:
+    """What happened to one request, logged once when it ends."""
+
+    rid: str
+    route: str
+    start: float = field(default_factory=time.perf_counter)
+    stages_ms: dict[str, float] = field(default_factory=dict)
+    instances: dict[str, str] = field(default_factory=dict)
+    items: int = 0
+    retries: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def timed(self, stage: str, since: float) -> float:
+        """Record a stage's time since `since` (stages may repeat on retry: times add up)."""
+        elapsed_s = time.perf_counter() - since
+        self.stages_ms[stage] = self.stages_ms.get(stage, 0.0) + elapsed_s * 1000
+        return elapsed_s
+
+    def line(self, status: int | str) -> str:
+        """rid, route, status, then per-stage timings; `epdctl logs proxy | grep RID`."""
+        total_ms = (time.perf_counter() - self.start) * 1000
+        parts = [f"rid={self.rid}", f"route={self.route}", f"status={status}",
+                 f"total_ms={total_ms:.1f}"]
+        parts += [f"{k}_ms={v:.1f}" for k, v in self.stages_ms.items()]
+        if self.items:
+            parts.append(f"items={self.items}")
+        parts += [f"{k}={v}" for k, v in self.instances.items()]
+        if self.retries:
+            parts.append(f"retries={self.retries}")
+        if self.fallbacks:
+            parts.append("fallbacks=" + ",".join(self.fallbacks))
+        parts += self.notes
+        return " ".join(parts)

@@ -1,0 +1,114 @@
+"""Instance pools per role: least-outstanding picks, health probes, ejection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from epdctl.proxy.config import ProxyConfig
+
+log = logging.getLogger("epdctl.proxy")
+
+
+@dataclass(eq=False)
+class Instance:
+    """One engine instance and what the proxy knows about it right now."""
+
+    url: str
+    role: str
+    outstanding: int = 0
+    failures: int = 0
+    """Consecutive failed health probes."""
+    is_ejected: bool = False
+
+
+@dataclass(eq=False)
+class Pool:
+    """The instances of one role."""
+
+    role: str
+    instances: list[Instance]
+    _turn: int = field(default=0, repr=False)
+
+    def pick(self, avoid: Instance | None = None) -> Instance:
+        """Least outstanding requests among healthy instances, other than `avoid` if possible.
+
+        Ejected instances are used only when no healthy one is left; ties rotate, so equal
+        load spreads instead of piling onto the first instance.
+        """
+        pool = self.instances
+        healthy = [i for i in pool if not i.is_ejected]
+        candidates = [i for i in healthy if i is not avoid] or healthy or \
+            [i for i in pool if i is not avoid] or pool
+        n = len(candidates)
+        self._turn = (self._turn + 1) % n if n > 1 else 0
+        best = candidates[self._turn]
+        for k in range(1, n):
+            inst = candidates[(self._turn + k) % n]
+            if inst.outstanding < best.outstanding:
+                best = inst
+        return best
+
+    @property
+    def healthy(self) -> list[Instance]:
+        return [i for i in self.instances if not i.is_ejected]
+
+
+class Upstreams:
+    """All pools of a topology plus the health loop that ejects and re-admits instances."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.eject_after = config.eject_after
+        roles = {"encode": config.encode, "pd": config.pd, "prefill": config.prefill,
+                 "decode": config.decode}
+        self.pools = {role: Pool(role, [Instance(u.rstrip("/"), role) for u in urls])
+                      for role, urls in roles.items() if urls}
+        # Encoders are optional: without one, PD encodes the media itself.
+        self.required = [r for r in ("pd", "prefill", "decode") if r in self.pools]
+
+    def record_probe(self, inst: Instance, is_ok: bool) -> None:
+        """Eject after `eject_after` consecutive failures; one success re-admits."""
+        if is_ok:
+            if inst.is_ejected:
+                log.warning("re-admitting %s instance %s", inst.role, inst.url)
+            inst.failures = 0
+            inst.is_ejected = False
+            return
+        inst.failures += 1
+        if not inst.is_ejected and inst.failures >= self.eject_after:
+            inst.is_ejected = True
+            log.warning("ejecting %s instance %s after %d failed health probes",
+                        inst.role, inst.url, inst.failures)
+
+    async def probe_all(self, probe: Callable[[str], Awaitable[bool]]) -> None:
+        """Probe every instance's /health in parallel."""
+        instances = [i for pool in self.pools.values() for i in pool.instances]
+        results = await asyncio.gather(*(probe(i.url + "/health") for i in instances),
+                                       return_exceptions=True)
+        for inst, result in zip(instances, results, strict=True):
+            self.record_probe(inst, result is True)
+
+    async def run_health_checks(self, probe: Callable[[str], Awaitable[bool]],
+                                interval_s: float) -> None:
+        """Probe forever; started as a task next to the server, cancelled with it."""
+        while True:
+            try:
+                await self.probe_all(probe)
+            except Exception:  # a probe bug must not stop health checking for good
+                log.exception("health probe round failed")
+            await asyncio.sleep(interval_s)
+
+    def report(self) -> tuple[bool, dict[str, object]]:
+        """Whether every required role has a healthy instance, and who is in and out."""
+        roles = {}
+        for role, pool in self.pools.items():
+            roles[role] = {
+                "in": [i.url for i in pool.instances if not i.is_ejected],
+                "out": [i.url for i in pool.instances if i.is_ejected],
+            }
+        is_ok = all(self.pools[r].healthy for r in self.required)
+        degraded = any(pool.healthy != pool.instances for pool in self.pools.values())
+        status = "unavailable" if not is_ok else "degraded" if degraded else "ok"
+        return is_ok, {"status": status, "roles": roles}

@@ -1,0 +1,41 @@
+"""Fixtures: the proxy app over fake upstreams (see proxy_fakes.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from epdctl.proxy import ProxyConfig, create_app
+from tests.proxy.fakes import MODEL, Fakes, Rig
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
+    clients: list[httpx.AsyncClient] = []
+
+    def make(fakes: Fakes | None = None, **kwargs: Any) -> Rig:
+        fakes = fakes or Fakes()
+        kwargs.setdefault("models", (MODEL,))
+        if not kwargs.get("prefill"):
+            kwargs.setdefault("pd", ("http://pd0",))
+        config = ProxyConfig(**kwargs)
+        upstream = httpx.AsyncClient(transport=httpx.MockTransport(fakes.handle))
+        app = create_app(config, upstream)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                   base_url="http://proxy")
+        clients.extend([upstream, client])
+        return Rig(app, client, fakes, config)
+
+    yield make
+    for client in clients:
+        await client.aclose()
+
+

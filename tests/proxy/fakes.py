@@ -1,0 +1,152 @@
+"""Fake upstream instances behind httpx.MockTransport, and the proxy in front of them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from epdctl.proxy import ProxyConfig
+
+MODEL = "tiny"
+PNG = b"\x89PNG\r\n\x1a\nfake image bytes"
+
+
+def sse(*events: object) -> bytes:
+    """Events as vLLM writes them: `data: <json>` and a blank line each."""
+    out = b""
+    for event in events:
+        data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False)
+        out += f"data: {data}\n\n".encode()
+    return out
+
+
+def chat_chunk(content: str | None = None, role: str | None = None,
+               finish: str | None = None) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if role:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    return {"id": "c1", "object": "chat.completion.chunk", "model": MODEL,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+STREAM = sse(chat_chunk("", role="assistant"), chat_chunk("Hel"), chat_chunk("lo é€😀"),
+             chat_chunk(finish="stop"), "[DONE]")
+
+
+def completion(text: str = "Hello") -> dict[str, Any]:
+    return {"id": "c1", "object": "chat.completion", "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": "stop"}]}
+
+
+@dataclass
+class Seen:
+    """One request a fake instance received."""
+
+    instance: str
+    path: str
+    headers: httpx.Headers
+    body: dict[str, Any] | None
+
+
+Handler = Callable[[Seen], httpx.Response | None]
+
+
+@dataclass
+class Fakes:
+    """Every fake instance: records what arrived; `script` overrides answers per instance."""
+
+    encoder_metadata: dict[str, Any] = field(default_factory=dict)
+    seen: list[Seen] = field(default_factory=list)
+    script: dict[str, list[Handler]] = field(default_factory=dict)
+    down: set[str] = field(default_factory=set)
+    stream_body: bytes = STREAM
+    stream_chunks: list[bytes] | None = None
+    kv_params: dict[str, Any] = field(
+        default_factory=lambda: {"do_remote_prefill": True, "remote_block_ids": [1, 2],
+                                 "remote_engine_id": "p-engine"})
+
+    def to(self, instance: str, path: str | None = None) -> list[Seen]:
+        return [s for s in self.seen if s.instance == instance
+                and (path is None or s.path == path)]
+
+    def posts(self, prefix: str) -> list[Seen]:
+        """Completion requests seen by instances whose name starts with prefix."""
+        return [s for s in self.seen if s.instance.startswith(prefix) and s.path != "/health"]
+
+    def then(self, instance: str, *handlers: Handler) -> None:
+        """Answer the next requests to `instance` with these handlers (None = default)."""
+        self.script.setdefault(instance, []).extend(handlers)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        instance = request.url.host
+        body = json.loads(request.content) if request.content else None
+        seen = Seen(instance, request.url.path, request.headers, body)
+        self.seen.append(seen)
+        if request.url.path == "/health":
+            return httpx.Response(503 if instance in self.down else 200)
+        if instance in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        queue = self.script.get(instance)
+        if queue:
+            answer = queue.pop(0)(seen)
+            if answer is not None:
+                return answer
+        return self.default(seen)
+
+    def default(self, seen: Seen) -> httpx.Response:
+        body = seen.body or {}
+        if seen.instance.startswith("e"):
+            part = body["messages"][0]["content"][0]
+            key = part.get("uuid") or "no-uuid"
+            entry = {"item_indices": [0], "metadata": dict(self.encoder_metadata)}
+            return httpx.Response(200, json={"id": "e", "choices": [],
+                                             "ec_transfer_params": {key: entry}})
+        if seen.instance.startswith("p") and not seen.instance.startswith("pd"):
+            return httpx.Response(200, json={**completion("x"),
+                                             "kv_transfer_params": self.kv_params})
+        if body.get("stream"):
+            chunks = self.stream_chunks or [self.stream_body]
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  stream=_Chunks(chunks))
+        return httpx.Response(200, json=completion())
+
+
+class _Chunks(httpx.AsyncByteStream):
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+
+
+@dataclass
+class Rig:
+    """The proxy app, a client into it, and the fakes behind it."""
+
+    app: Any
+    client: httpx.AsyncClient
+    fakes: Fakes
+    config: ProxyConfig
+
+    @property
+    def proxy(self) -> Any:
+        return self.app.state.proxy
+
+    async def chat(self, content: Any, **extra: Any) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+        return await self.client.post("/v1/chat/completions", json=body)
+
+
+def image_part(data: bytes = PNG, **extra: Any) -> dict[str, Any]:
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    return {"type": "image_url", "image_url": {"url": url}, **extra}
