@@ -90,10 +90,14 @@ def clean(
     max_bytes: int | None = None,
     namespace: str | None = None,
     dry_run: bool = False,
+    keep_namespaces: set[str] | frozenset[str] = frozenset(),
     pin_ttl_s: float = PIN_TTL_S,
     now: float | None = None,
 ) -> EvictionReport:
-    """User-requested cleaning; pinned entries and young pins are never touched."""
+    """User-requested cleaning; pinned entries and young pins are never touched.
+
+    With `all`, emptied namespace dirs go too, except `keep_namespaces` (a running one's).
+    """
     now = time.time() if now is None else now
 
     def expired(e: Entry) -> str | None:
@@ -111,7 +115,7 @@ def clean(
         budget_bytes=max_bytes,
         grace_s=0.0,
         pin_ttl_s=pin_ttl_s,
-        drop_empty=lambda ns: all,
+        drop_empty=lambda ns: all and ns not in keep_namespaces,
         dry_run=dry_run,
     )
 

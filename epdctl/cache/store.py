@@ -130,7 +130,7 @@ class Store:
         try:
             # Link first, validate second: a link either pins the inode or fails,
             # so eviction after this point can no longer take the bytes away.
-            os.link(self.entry_path(key), paths[0])
+            self._link(self.entry_path(key), paths[0])
         except FileNotFoundError:
             return Miss("missing")
         except OSError as exc:
@@ -146,6 +146,16 @@ class Store:
             unpin(paths)
             return Miss(f"pin failed: {exc.strerror}")
         return Pin(paths, reason)
+
+    def _link(self, src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except FileNotFoundError:
+            if self.pins.is_dir():
+                raise
+            # `cache clean --all` may have removed the namespace's dirs under us.
+            self.create()
+            os.link(src, dst)
 
 
 def _validate(

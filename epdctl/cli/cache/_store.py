@@ -1,0 +1,49 @@
+"""Which EC store the cache commands use: --store-dir, the running topology's, or the default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from epdctl.cli._app import App
+
+DEFAULT_STORE_ROOT = Path("/dev/shm/epdctl")
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """Which store a command looks at, and what the running topology says about it."""
+
+    root: Path
+    capacity_bytes: int | None = None
+    active_namespace: str | None = None
+
+
+def resolve_store(app: App, store_dir: Path | None) -> StoreView:
+    """--store-dir, else the running topology's store, else /dev/shm/epdctl."""
+    if store_dir is not None:
+        return StoreView(store_dir.absolute())
+    from epdctl.errors import EpdctlError
+    from epdctl.state import find_state_dir
+
+    try:
+        sdir = find_state_dir(app.state_root, None)
+        state = sdir.read() if sdir.is_running() else None
+    except EpdctlError:
+        state = None
+    if state is None:
+        return StoreView(DEFAULT_STORE_ROOT)
+    ns_dir = Path(state.store_dir)
+    # state.json records the namespace's own dir; the store root is its parent.
+    root = ns_dir.parent if ns_dir.name == state.namespace else ns_dir
+    return StoreView(root, state.settings.cache_capacity_bytes, state.namespace)
+
+
+store_dir_option = click.option(
+    "--store-dir",
+    "store_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Store root; default: the running topology's, else /dev/shm/epdctl.",
+)
