@@ -1,0 +1,352 @@
+"""Tiny multimodal models with random weights, built offline in seconds for CPU tests.
+
+Two recipes (see /work/shared/vllm-cpu.md): a LLaVA (CLIP + Llama, 56 px images, 16 image
+tokens) and a Qwen2-VL (M-RoPE, images capped at 112x112). Both share a byte-level BPE
+tokenizer trained in-process and a ChatML template. Builds are deterministic: the same
+recipe gives the same bytes, so the same image gives the same greedy output.
+
+    python -m epdctl.dev.tiny_models llava [--out DIR]   # prints the model directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+KINDS = ("llava", "qwen2vl")
+CACHE_ENV = "EPDCTL_TINY_MODEL_DIR"
+SEED = 1234
+VOCAB_SIZE = 1024
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>")
+QWEN_VISION_TOKENS = (
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+)
+LLAVA_IMAGE_SIZE = 56
+QWEN_MAX_SIDE = 112
+PATCH = 14
+
+# ChatML. Works with string contents and with OpenAI-style part lists (vLLM picks the
+# "openai" content format because the template iterates over the parts).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}IMAGE_PLACEHOLDER"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to in is it on for with as by at from this that image picture photo "
+    "red green blue yellow black white colour color shape square circle line dot stripe "
+    "cat dog bird car tree house sky sea sun moon cloud road city field flower person "
+    "what which where describe show tell small large big little left right top bottom "
+    "there are one two three four many some no yes and or but not very more most "
+    "user assistant system question answer hello world please thanks model vision text"
+).split()
+
+
+def recipe_hash() -> str:
+    """Identifies the recipe: this file plus the versions that shape the saved files."""
+    import importlib.metadata as md
+
+    material = Path(__file__).read_bytes()
+    for dist in ("transformers", "tokenizers", "safetensors"):
+        try:
+            material += f"{dist}={md.version(dist)}".encode()
+        except md.PackageNotFoundError:
+            pass
+    return hashlib.sha256(material).hexdigest()[:12]
+
+
+def _corpus() -> list[str]:
+    """A deterministic pseudo-English corpus, enough for ~750 BPE merges."""
+    rng = random.Random(SEED)
+    syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiou"]
+    words = list(_WORDS) + ["".join(rng.choices(syllables, k=rng.randint(1, 3)))
+                            for _ in range(600)]
+    lines = []
+    for _ in range(3000):
+        line = " ".join(rng.choices(words, k=rng.randint(4, 14)))
+        lines.append(line.capitalize() + rng.choice([".", "?", "!", ","]))
+    lines += [str(n) for n in range(200)]
+    return lines
+
+
+def _train_tokenizer(extra_special: tuple[str, ...]) -> Any:
+    """A byte-level BPE with exactly VOCAB_SIZE tokens, specials first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = [*SPECIAL_TOKENS, *extra_special]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, not {VOCAB_SIZE}")
+    return tok
+
+
+def _hf_tokenizer(extra_special: tuple[str, ...]) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(extra_special),
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=4096,
+    )
+
+
+def _init_weights(model: Any) -> None:
+    """std 1/sqrt(fan_in) everywhere: the image then visibly moves greedy outputs."""
+    import torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() >= 2:
+                fan_in = param[0].numel()
+                param.copy_(torch.randn(param.shape, generator=gen) / fan_in**0.5)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.fill_(1.0)  # norm scales
+
+
+def _save_weights(model: Any, out: Path, rename: Callable[[str], str] = lambda k: k) -> None:
+    from safetensors.torch import save_file
+
+    state = {rename(k): v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(dict(sorted(state.items())), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def _write_config(config: Any, out: Path, architecture: str) -> None:
+    # vLLM resolves the architecture from this list (without it: a pooling model).
+    config.architectures = [architecture]
+    config.save_pretrained(str(out))
+    gen = {"bos_token_id": config.text_config.bos_token_id,
+           "eos_token_id": config.text_config.eos_token_id, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _llava(out: Path) -> None:
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = _hf_tokenizer(())
+    ids = tokenizer.convert_tokens_to_ids
+    vision = CLIPVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        image_size=LLAVA_IMAGE_SIZE, patch_size=PATCH, projection_dim=64,
+    )
+    text = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        max_position_embeddings=1024, bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        tie_word_embeddings=False,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=ids("<image>"),
+        vision_feature_select_strategy="default", vision_feature_layer=-2,
+        projector_hidden_act="gelu", tie_word_embeddings=False,
+    )
+    config.dtype = torch.float32
+    torch.manual_seed(SEED)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    _init_weights(model)
+    _write_config(config, out, "LlavaForConditionalGeneration")
+    # transformers 5 writes vision_tower.embeddings.*; vLLM's loader wants vision_model.*.
+    _save_weights(model, out, lambda k: k.replace("vision_tower.", "vision_tower.vision_model.")
+                  if "vision_tower." in k and "vision_model." not in k else k)
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": LLAVA_IMAGE_SIZE},
+        crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", "<image>"),
+    )
+    processor.save_pretrained(str(out))
+
+
+def _qwen2vl(out: Path) -> None:
+    import torch
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    tokenizer = _hf_tokenizer(QWEN_VISION_TOKENS)
+    ids = tokenizer.convert_tokens_to_ids
+    pixels = {"shortest_edge": 56 * 56, "longest_edge": QWEN_MAX_SIDE * QWEN_MAX_SIDE}
+    config = Qwen2VLConfig(
+        vision_config={
+            "depth": 2, "embed_dim": 64, "hidden_size": 128, "num_heads": 2, "mlp_ratio": 2,
+            "patch_size": PATCH, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        },
+        text_config={
+            "vocab_size": VOCAB_SIZE, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "max_position_embeddings": 1024, "bos_token_id": ids("<|endoftext|>"),
+            "eos_token_id": ids("<|im_end|>"),
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [8, 12, 12]},
+        },
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False,
+    )
+    config.dtype = torch.float32
+    torch.manual_seed(SEED)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    _init_weights(model)
+    _write_config(config, out, "Qwen2VLForConditionalGeneration")
+    _save_weights(model, out)
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=pixels),
+        video_processor=Qwen2VLVideoProcessor(size=pixels),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE.replace(
+            "IMAGE_PLACEHOLDER", "<|vision_start|><|image_pad|><|vision_end|>"),
+    )
+    processor.save_pretrained(str(out))
+
+
+_BUILDERS: dict[str, Callable[[Path], None]] = {"llava": _llava, "qwen2vl": _qwen2vl}
+
+
+def build(kind: str, path: str | Path) -> Path:
+    """Build the `kind` tiny model into `path` (created or replaced atomically)."""
+    if kind not in _BUILDERS:
+        raise ValueError(f"unknown tiny model {kind!r}; choose one of {', '.join(KINDS)}")
+    path = Path(path).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        _BUILDERS[kind](tmp)
+        (tmp / "epdctl-tiny-model.json").write_text(
+            json.dumps({"kind": kind, "recipe": recipe_hash()}, indent=2) + "\n")
+        for child in tmp.iterdir():
+            child.chmod(0o644)  # safetensors and mkdtemp default to owner-only
+        tmp.chmod(0o755)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def build_llava(path: str | Path) -> Path:
+    """Build the tiny LLaVA into `path`; returns the resolved directory."""
+    return build("llava", path)
+
+
+def build_qwen2vl(path: str | Path) -> Path:
+    """Build the tiny Qwen2-VL into `path`; returns the resolved directory."""
+    return build("qwen2vl", path)
+
+
+def default_cache_root() -> Path:
+    """$EPDCTL_TINY_MODEL_DIR, else ~/.cache/epdctl/tiny-models."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "epdctl" / "tiny-models"
+
+
+def is_built(path: Path, kind: str) -> bool:
+    """True when `path` holds a complete build of `kind` from the current recipe."""
+    try:
+        stamp = json.loads((path / "epdctl-tiny-model.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return stamp == {"kind": kind, "recipe": recipe_hash()}
+
+
+def ensure_model(kind: str, cache_root: str | Path | None = None) -> Path:
+    """The cached `<root>/<kind>-<recipe hash>` directory, built on first use."""
+    if kind not in _BUILDERS:
+        raise ValueError(f"unknown tiny model {kind!r}; choose one of {', '.join(KINDS)}")
+    root = Path(cache_root).expanduser() if cache_root else default_cache_root()
+    path = (root / f"{kind}-{recipe_hash()}").resolve()
+    if is_built(path, kind):
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    # Two test runs may race to build: the second waits, then finds the build done.
+    with open(root / f".{kind}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_built(path, kind):
+            build(kind, path)
+    return path
+
+
+def link_model(kind: str, link: str | Path, cache_root: str | Path | None = None) -> Path:
+    """Point the stable path `link` (a symlink) at the cached build; returns the link."""
+    target = ensure_model(kind, cache_root)
+    link = Path(link).expanduser()
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target, target_is_directory=True)
+    os.replace(tmp, link)  # atomic, so a running topology never sees a missing link
+    return link
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: build (or reuse) a tiny model and print its directory."""
+    parser = argparse.ArgumentParser(prog="python -m epdctl.dev.tiny_models",
+                                     description=main.__doc__)
+    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("--out", type=Path,
+                        help="build into this directory (default: the cache, reused)")
+    parser.add_argument("--link", type=Path,
+                        help="also point this stable path (a symlink) at the cached build")
+    args = parser.parse_args(argv)
+    if args.out:
+        path = build(args.kind, args.out)
+    elif args.link:
+        path = link_model(args.kind, args.link)
+    else:
+        path = ensure_model(args.kind)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

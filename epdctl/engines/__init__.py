@@ -1,0 +1,1 @@
+"""Engine launchers: how an engine process is started on a given platform."""

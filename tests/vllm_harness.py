@@ -1,0 +1,265 @@
+"""Shared helpers for tests that run real vLLM (CPU build) servers with tiny models."""
+
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The flags that worked on a 2-core CPU machine (see /work/shared/vllm-cpu.md).
+CPU_ARGS: tuple[str, ...] = (
+    "--dtype", "float32",
+    "--max-model-len", "512",
+    "--max-num-seqs", "4",
+    "--max-num-batched-tokens", "512",
+    "--enforce-eager",
+    "--limit-mm-per-prompt", '{"image":2}',
+    "--kv-cache-memory-bytes", "64M",
+)
+CPU_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+}
+ENGINE_MODULE = "epdctl.engines.vllm_cpu"
+_cores = itertools.count()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def next_core() -> str:
+    """Round-robin core for VLLM_CPU_OMP_THREADS_BIND (the default pins all to core 0)."""
+    return str(next(_cores) % (os.cpu_count() or 1))
+
+
+@dataclass
+class Server:
+    """One vLLM server process group started by start_vllm()."""
+
+    name: str
+    model: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    argv: tuple[str, ...] = field(default=())
+
+    @property
+    def url(self) -> str:
+        """http://127.0.0.1:PORT (the server root: /health, /metrics)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (…/v1)."""
+        return f"{self.url}/v1"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        """True when GET /health answers 200."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as resp:
+                return int(resp.status) == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left at the deadline."""
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _group_alive(pgid, self.proc):
+            time.sleep(0.1)
+        if _group_alive(pgid, self.proc):
+            _signal_group(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and _group_alive(pgid, self.proc):
+                time.sleep(0.05)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int, proc: subprocess.Popen[bytes]) -> bool:
+    proc.poll()  # reap the leader, or it stays a zombie member of the group
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_vllm(
+    model: str | Path,
+    *,
+    log_path: str | Path,
+    port: int | None = None,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    name: str | None = None,
+    python: str = sys.executable,
+) -> Server:
+    """Spawn `python -m epdctl.engines.vllm_cpu serve MODEL` in its own process group.
+
+    CPU_ARGS come first, so `args` can override any of them (argparse keeps the last).
+    """
+    port = port or free_port()
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = (
+        python, "-m", ENGINE_MODULE, "serve", str(model),
+        "--host", "127.0.0.1", "--port", str(port), *CPU_ARGS, *args,
+    )
+    full_env = {**os.environ, **CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": next_core()}
+    full_env.update(env or {})
+    with open(log_path, "ab") as log:
+        log.write(f"--- harness start {' '.join(argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            argv, env=full_env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return Server(name=name or f"vllm-{port}", model=str(model), port=port,
+                  log_path=log_path, proc=proc, argv=argv)
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or missed its deadline while starting."""
+
+
+def wait_all_ready(
+    servers: Iterable[Server], timeout_s: float = 240.0, *, stop_on_failure: bool = True
+) -> None:
+    """Wait until every server answers /health 200; on a death or the deadline, raise."""
+    servers = list(servers)
+    pending = list(servers)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while pending:
+            for server in list(pending):
+                if not server.alive():
+                    raise ServerStartError(
+                        f"{server.name} exited with code {server.proc.returncode} while "
+                        f"starting; last lines of {server.log_path}:\n{server.log_tail()}"
+                    )
+                if server.healthy():
+                    pending.remove(server)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"== {s.name} ({s.log_path}):\n{s.log_tail(20)}" for s in pending)
+                raise ServerStartError(f"not ready after {timeout_s:.0f}s:\n{tails}")
+            time.sleep(0.5)
+    except BaseException:
+        if stop_on_failure:
+            stop_all(servers)
+        raise
+
+
+def stop_all(servers: Iterable[Server], timeout_s: float = 20.0) -> None:
+    """SIGTERM every server first, then wait for each (one shared deadline)."""
+    servers = list(servers)
+    for server in servers:
+        _signal_group(server.proc.pid, signal.SIGTERM)
+    for server in servers:
+        server.stop(timeout_s)
+
+
+def make_image(seed: int, size: int | tuple[int, int] = 56) -> bytes:
+    """A deterministic PNG: coloured blocks and noise from `seed`; different seeds differ."""
+    import numpy as np
+    from PIL import Image
+
+    width, height = (size, size) if isinstance(size, int) else size
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
+    pixels = np.kron(blocks, np.ones((height // 4 + 1, width // 4 + 1, 1), dtype=np.uint8))
+    pixels = pixels[:height, :width]
+    noise = rng.integers(-24, 25, size=pixels.shape)
+    pixels = np.clip(pixels.astype(np.int16) + noise, 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def chat_messages(text: str, image_urls: Sequence[str] = ()) -> list[dict]:
+    """One user message: the images first, then the text (OpenAI content parts)."""
+    if not image_urls:
+        return [{"role": "user", "content": text}]
+    parts: list[dict] = [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
+    parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
+
+
+def chat(
+    base_url: str,
+    model: str,
+    *,
+    image_urls: Sequence[str] = (),
+    text: str = "What is in the image?",
+    stream: bool = False,
+    max_tokens: int = 16,
+    api_key: str = "EMPTY",
+    timeout_s: float = 120.0,
+    extra_body: Mapping[str, object] | None = None,
+) -> str:
+    """One chat completion at temperature 0 through the official openai client; its text."""
+    from openai import OpenAI
+
+    if not base_url.rstrip("/").endswith("/v1"):
+        base_url = base_url.rstrip("/") + "/v1"
+    with OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0) as client:
+        kwargs: dict = dict(
+            model=model, messages=chat_messages(text, image_urls), temperature=0.0,
+            max_tokens=max_tokens, extra_body=dict(extra_body or {}),
+        )
+        if not stream:
+            response = client.chat.completions.create(**kwargs)
+            return response.choices[0].message.content or ""
+        pieces = []
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    pieces.append(choice.delta.content)
+        return "".join(pieces)
