@@ -13,7 +13,7 @@ from epdctl.errors import RenderError
 from epdctl.plan import LaunchSpec, plan
 from epdctl.render import _manifests as m
 from epdctl.render._notes import notes as _notes
-from epdctl.topology import ROLE_NAMES, ROLE_PREFIX, Topology
+from epdctl.topology import ROLE_NAMES, ROLE_PREFIX, RoleName, Topology
 
 DEFAULT_IMAGE = "vllm/vllm-openai:latest"
 DEFAULT_EC_CONNECTOR = "ECMooncakeConnector"
@@ -106,10 +106,10 @@ def _kv_config(local: dict[str, Any]) -> tuple[dict, list]:
 
 
 def _engine_role(
-    topology: Topology, spec: LaunchSpec, options: K8sOptions
+    topology: Topology, role_name: RoleName, spec: LaunchSpec, options: K8sOptions
 ) -> m.EngineRole:
     """One role's pods, from its first replica's local launch spec."""
-    role = topology.roles[spec.role]
+    role = topology.roles[role_name]
     argv, found = _pop_flags(spec.argv, _LOCAL_FLAGS)
     at = spec.argv.index("--host")
     argv = [escape(a) for a in argv]
@@ -179,7 +179,7 @@ def render_k8s(topology: Topology, source_text: str, options: K8sOptions) -> Ren
     for role_name in ROLE_NAMES:
         specs = [s for s in local.instances if s.role == role_name]
         if specs:
-            roles.append(_engine_role(topology, specs[0], options))
+            roles.append(_engine_role(topology, role_name, specs[0], options))
     # Instance `pd-1` runs as pod `<topology>-pd-1`: the proxy keeps one URL per instance.
     urls = {s.url: role.pod_url(int(s.name.rsplit("-", 1)[1]))
             for role in roles for s in local.instances if s.role == role.role}
