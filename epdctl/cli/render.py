@@ -65,10 +65,10 @@ def k8s(
     options = K8sOptions(namespace=namespace, image=image, ec_connector=ec_connector,
                          gpus_per_node=gpus_per_node)
     rendering = render_k8s(topology, text, options)
-    for note in rendering.notes:
-        app.err.print(Text("note: ", style="yellow") + Text(note))
     if out_dir is None:
         click.echo(dump_all(rendering, topology_path.name), nl=False)
-        return
-    written = write_dir(rendering, topology_path.name, out_dir)
-    app.err.print(Text(f"wrote {len(written)} files to {out_dir}"))
+    else:
+        written = write_dir(rendering, topology_path.name, out_dir)
+        app.err.print(Text(f"wrote {len(written)} files to {out_dir}"))
+    for note in rendering.notes:
+        app.err.print(Text("note: ", style="yellow") + Text(note))

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from epdctl.errors import RenderError
 from epdctl.render.k8s import Rendering
 
 MARK = "# Rendered by `epdctl render k8s`"
@@ -54,13 +55,16 @@ def file_name(index: int, obj: dict[str, Any]) -> str:
 
 def write_dir(rendering: Rendering, source: str, out_dir: Path) -> list[Path]:
     """One file per object; files an earlier render wrote and this one does not are removed."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     head = header(rendering, source)
     written = []
-    for index, obj in enumerate(rendering.objects):
-        path = out_dir / file_name(index, obj)
-        path.write_text(f"{head}---\n{dump(obj)}", encoding="utf-8")
-        written.append(path)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for index, obj in enumerate(rendering.objects):
+            path = out_dir / file_name(index, obj)
+            path.write_text(f"{head}---\n{dump(obj)}", encoding="utf-8")
+            written.append(path)
+    except OSError as exc:
+        raise RenderError(f"{out_dir}: cannot write manifests: {exc.strerror or exc}") from None
     # A replica or role dropped from the topology must not linger for `kubectl apply -f DIR`.
     for path in sorted(out_dir.glob("*.yaml")):
         if path not in written and _is_ours(path):

@@ -99,3 +99,11 @@ def test_image_and_connector_options_reach_the_manifests(epdctl, tmp_path: Path)
               for c in d["spec"]["template"]["spec"]["containers"]}
     assert images == {"reg/epd:1"}
     assert "ECCPUConnector" in result.stdout and "ECMooncakeConnector" not in result.stdout
+
+
+def test_unwritable_output_dir_exits_1(epdctl, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = epdctl("render", "k8s", str(_write(tmp_path)), "-o", str(blocker / "sub"))
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: {blocker / 'sub'}: cannot write manifests: ")
