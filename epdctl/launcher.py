@@ -249,17 +249,19 @@ def stop_run(
         procs += [p for p in scan_marked(sdir.path) if p.pgid not in known]
     alive = [p.name for p in procs if process_matches(p.pid, p.create_time)
              or (p.pgid != p.pid and group_alive(p.pgid))]
-    killed: list[str] = []
     sup = state.supervisor if state else None
-    if sup is not None and process_matches(sup.pid, sup.create_time):
+    is_sup_alive = sup is not None and bool(process_matches(sup.pid, sup.create_time))
+    if sup is not None and is_sup_alive:
         os.kill(sup.pid, signal.SIGTERM)  # it stops the groups itself, proxy first
         while process_matches(sup.pid, sup.create_time) and time.monotonic() < deadline:
             time.sleep(0.1)
+    # Past the deadline a second SIGTERM makes a live supervisor SIGKILL at once, too.
+    last = stop_all(procs, max(deadline - time.monotonic(), 0.5))
+    killed = list(last.killed)
+    if is_sup_alive:  # what it SIGKILLed itself, it wrote down
         try:
-            killed = sdir.read().killed
+            killed += [n for n in sdir.read().killed if n not in killed]
         except EpdctlError:
             pass
-    last = stop_all(procs, max(deadline - time.monotonic(), 0.5))
-    killed += [n for n in last.killed if n not in killed]
     stopped = [n for n in alive if n not in killed and n not in last.stale]
     return StopResult(stopped=stopped, killed=killed, stale=last.stale)

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from epdctl.cli import cli
-
 FAKE_SERVER = Path(__file__).parent / "fake_server.py"
 FAKE_PROXY = shlex.join([sys.executable, str(FAKE_SERVER)])
 
@@ -35,6 +33,8 @@ def state_root(tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture
 def epdctl(state_root: Path) -> Callable[..., Result]:
     """Run `epdctl ARGS...` in-process, as a user with a clean state root would."""
+
+    from epdctl.cli import cli
 
     def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
         base = {"EPDCTL_STATE_DIR": str(state_root), "NO_COLOR": "1", "COLUMNS": "100",
@@ -86,3 +86,28 @@ def fake_topology(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie lingers until init reaps it)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def run_pids(state_root: Path, name: str = "fake") -> dict[str, int]:
+    """Recorded pids (supervisor included) of a run, from state.json or last-run.json."""
+    from epdctl.state import RunState
+
+    run_dir = state_root / name
+    path = run_dir / "state.json"
+    if not path.exists():
+        path = run_dir / "last-run.json"
+    state = RunState.model_validate_json(path.read_text())
+    pids = {n: r.pid for n, r in state.records.items()}
+    if state.supervisor:
+        pids["supervisor"] = state.supervisor.pid
+    return pids

@@ -28,6 +28,7 @@ from epdctl.state import StateDir
 from epdctl.supervisor import Supervisor
 from epdctl.topology import load_topology
 from tests.conftest import FAKE_SERVER, free_ports
+from tests.conftest import is_running as running
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,14 +47,6 @@ def fake_spec(tmp_path: Path, *args: str, name: str = "pd-0") -> LaunchSpec:
                       argv=(sys.executable, str(FAKE_SERVER), "--port", str(port), *args),
                       env={}, port=port, log_path=tmp_path / "logs" / f"{name}.log",
                       health_url=f"http://127.0.0.1:{port}/health")
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie lingers until init reaps it)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> None:

@@ -46,7 +46,7 @@ def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
     else:
         app.err.print(f"Nothing of {topo} was running; removed its state.", markup=False)
     if result.killed:
-        app.err.print(f"Killed after {timeout_s:g}s (SIGTERM ignored): "
+        app.err.print(f"Killed with SIGKILL (still running after {timeout_s:g}s): "
                       f"{', '.join(result.killed)}", markup=False)
     if result.stale:
         app.err.print(f"Not signalled (the pid now belongs to another process): "

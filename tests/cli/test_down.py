@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests.conftest import is_running, run_pids
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def up(epdctl, topo) -> None:
+    result = epdctl("up", str(topo), "-d", "--timeout", "20")
+    assert result.exit_code == 0, result.stderr
+
+
+def kill_supervisor(state_root) -> None:
+    pid = run_pids(state_root)["supervisor"]
+    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 5
+    while is_running(pid) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def test_down_stops_everything_and_keeps_logs(epdctl, fake_topology, state_root) -> None:
+    up(epdctl, fake_topology(pd_args=("--spawn-grandchild",)))
+    pids = run_pids(state_root)
+    log = (state_root / "fake" / "logs" / "pd-0.log").read_text()
+    grandchild = int(re.search(r"grandchild pid (\d+)", log)[1])
+    result = epdctl("down", "--timeout", "2")  # the grandchild ignores SIGTERM
+    assert result.exit_code == 0
+    assert result.stderr == (
+        "Stopped fake: supervisor, proxy, encode-0, pd-0.\n"
+        "Killed with SIGKILL (still running after 2s): pd-0\n"
+        f"Logs are kept in {state_root / 'fake' / 'logs'}\n"
+    )
+    assert not any(is_running(p) for p in [*pids.values(), grandchild])
+    assert sorted(p.name for p in (state_root / "fake").iterdir()) == [
+        "last-run.json", "lock", "logs"]
+
+
+def test_down_twice_is_not_running(epdctl, fake_topology, state_root) -> None:
+    up(epdctl, fake_topology())
+    assert epdctl("down", "--name", "fake").exit_code == 0
+    again = epdctl("down", "--name", "fake")
+    assert again.exit_code == 1
+    assert again.stderr == f"Error: `fake` is not running (no {state_root}/fake/state.json)\n"
+    assert epdctl("down").stderr == f"Error: nothing is running (no topology under {state_root})\n"
+
+
+def test_down_after_the_supervisor_was_killed(epdctl, fake_topology, state_root) -> None:
+    up(epdctl, fake_topology())
+    kill_supervisor(state_root)
+    pids = run_pids(state_root)
+    result = epdctl("down")
+    assert result.exit_code == 0
+    assert result.stderr.startswith("Stopped fake: proxy, pd-0, encode-0.\n")
+    assert not any(is_running(p) for p in pids.values())
+
+
+def test_stale_pid_is_not_signalled(epdctl, fake_topology, state_root) -> None:
+    up(epdctl, fake_topology())
+    kill_supervisor(state_root)
+    path = state_root / "fake" / "state.json"
+    data = json.loads(path.read_text())
+    data["records"]["pd-0"]["create_time"] -= 1000  # as if pd-0's pid now were someone else's
+    path.write_text(json.dumps(data))
+    pd = data["records"]["pd-0"]["pid"]
+    result = epdctl("down")
+    assert result.exit_code == 0
+    assert "Not signalled (the pid now belongs to another process): pd-0\n" in result.stderr
+    assert is_running(pd)  # the state_root finalizer stops it through its env markers
+
+
+def test_sigkill_after_the_deadline(epdctl, fake_topology, state_root) -> None:
+    up(epdctl, fake_topology(pd_args=("--ignore-sigterm",)))
+    pids = run_pids(state_root)
+    begin = time.monotonic()
+    result = epdctl("down", "--timeout", "1")
+    assert result.exit_code == 0
+    assert "Killed with SIGKILL (still running after 1s): pd-0\n" in result.stderr
+    assert time.monotonic() - begin < 10
+    assert not any(is_running(p) for p in pids.values())
+
+
+def test_corrupt_state_needs_force(epdctl, fake_topology, state_root) -> None:
+    up(epdctl, fake_topology())
+    pids = run_pids(state_root)
+    (state_root / "fake" / "state.json").write_text("{garbage")
+    result = epdctl("down")
+    assert result.exit_code == 1
+    assert "run `epdctl down --force --name fake`" in result.stderr
+    forced = epdctl("down", "--force", "--name", "fake")
+    assert forced.exit_code == 0, forced.stderr
+    assert not any(is_running(p) for p in pids.values())
+
+
+def test_store_dir_removed_unless_kept(epdctl, fake_topology, state_root, tmp_path) -> None:
+    topo = fake_topology()
+    up(epdctl, topo)
+    store = json.loads((state_root / "fake" / "state.json").read_text())["store_dir"]
+    os.makedirs(store, exist_ok=True)
+    result = epdctl("down", "--keep-cache")
+    assert f"Kept the EC store {store}\n" in result.stderr
+    assert os.path.isdir(store)
+    up(epdctl, topo)
+    assert epdctl("down").exit_code == 0
+    assert not os.path.exists(store)

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from epdctl.cli._app import App
+from epdctl.cli.up import make_plan
+from epdctl.topology import load_topology
+from tests.conftest import FAKE_PROXY, is_running, run_pids
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_dry_run_prints_every_command_and_starts_nothing(epdctl, fake_topology, state_root,
+                                                          monkeypatch) -> None:
+    topo = fake_topology()
+    result = epdctl("up", str(topo), "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    monkeypatch.setenv("EPDCTL_PROXY_COMMAND", FAKE_PROXY)
+    plan = make_plan(App(state_root=state_root), load_topology(topo))
+    expected = "".join(f"# {s.name} ({s.role})\n{s.shell()}\n" for s in plan.specs)
+    assert result.stdout == expected
+    assert result.stdout.splitlines()[0] == "# encode-0 (encode)"
+    assert "VLLM_CPU_OMP_THREADS_BIND=0 " in result.stdout
+    assert not (state_root / "fake").exists()
+
+
+def test_up_detached_then_second_up_refused(epdctl, fake_topology, state_root) -> None:
+    topo = fake_topology()
+    result = epdctl("up", str(topo), "-d", "--timeout", "20")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "fake is ready (e-pd): 2 instance(s), model fake-model"
+    assert lines[1].startswith("  proxy     http://127.0.0.1:")
+    assert lines[-1].startswith("  curl http://127.0.0.1:")
+    assert '"model": "fake-model"' in lines[-1]
+    assert "pd-0: ready" in result.stderr
+    assert result.stderr.endswith("Detached; `epdctl down --name fake` stops it.\n")
+    again = epdctl("up", str(topo), "-d")
+    assert again.exit_code == 1
+    assert again.stderr.startswith("Error: `fake` is already running")
+    assert epdctl("down").exit_code == 0
+
+
+def test_early_death_exits_3_with_the_log_tail(epdctl, fake_topology, state_root) -> None:
+    topo = fake_topology(pd_args=("--exit-after", "0.3", "--ready-after", "30"))
+    result = epdctl("up", str(topo), "-d", "--timeout", "20")
+    assert result.exit_code == 3
+    assert "Error: `pd-0` exited with code 1 while starting; last lines of " in result.stderr
+    assert "  fake: exiting with code 1\n" in result.stderr
+    assert not (state_root / "fake" / "state.json").exists()
+    assert not any(is_running(pid) for pid in run_pids(state_root).values())
+
+
+def test_missed_deadline_exits_3(epdctl, fake_topology, state_root) -> None:
+    topo = fake_topology(encode_args=("--ready-after", "60"))
+    result = epdctl("up", str(topo), "-d", "--timeout", "1")
+    assert result.exit_code == 3
+    assert "Error: `encode-0` was not ready within 1s" in result.stderr
+    assert not any(is_running(pid) for pid in run_pids(state_root).values())
+
+
+def test_bad_topology_is_exit_1(epdctl, tmp_path: Path) -> None:
+    result = epdctl("up", str(tmp_path / "nope.yaml"))
+    assert result.exit_code == 1
+    assert result.stderr == f"Error: {tmp_path / 'nope.yaml'}: no such file\n"
