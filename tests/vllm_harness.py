@@ -16,6 +16,11 @@ import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from openai import OpenAI
+    from openai.types.chat import ChatCompletion
 
 # The flags that worked on a 2-core CPU machine (see /work/shared/vllm-cpu.md).
 CPU_ARGS: tuple[str, ...] = (
@@ -232,6 +237,33 @@ def chat_messages(text: str, image_urls: Sequence[str] = ()) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
+def _client(base_url: str, api_key: str, timeout_s: float) -> OpenAI:
+    from openai import OpenAI
+
+    if not base_url.rstrip("/").endswith("/v1"):
+        base_url = base_url.rstrip("/") + "/v1"
+    return OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
+
+
+def chat_completion(
+    base_url: str,
+    model: str,
+    *,
+    image_urls: Sequence[str] = (),
+    text: str = "What is in the image?",
+    max_tokens: int = 16,
+    api_key: str = "EMPTY",
+    timeout_s: float = 120.0,
+    extra_body: Mapping[str, object] | None = None,
+) -> ChatCompletion:
+    """One non-streaming chat completion at temperature 0; the whole response (usage too)."""
+    with _client(base_url, api_key, timeout_s) as client:
+        return client.chat.completions.create(
+            model=model, messages=chat_messages(text, image_urls), temperature=0.0,
+            max_tokens=max_tokens, extra_body=dict(extra_body or {}),
+        )
+
+
 def chat(
     base_url: str,
     model: str,
@@ -245,21 +277,21 @@ def chat(
     extra_body: Mapping[str, object] | None = None,
 ) -> str:
     """One chat completion at temperature 0 through the official openai client; its text."""
-    from openai import OpenAI
-
-    if not base_url.rstrip("/").endswith("/v1"):
-        base_url = base_url.rstrip("/") + "/v1"
-    with OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0) as client:
-        kwargs: dict = dict(
-            model=model, messages=chat_messages(text, image_urls), temperature=0.0,
-            max_tokens=max_tokens, extra_body=dict(extra_body or {}),
+    if not stream:
+        response = chat_completion(
+            base_url, model, image_urls=image_urls, text=text, max_tokens=max_tokens,
+            api_key=api_key, timeout_s=timeout_s, extra_body=extra_body,
         )
-        if not stream:
-            response = client.chat.completions.create(**kwargs)
-            return response.choices[0].message.content or ""
-        pieces = []
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    pieces.append(choice.delta.content)
-        return "".join(pieces)
+        return response.choices[0].message.content or ""
+    pieces = []
+    with _client(base_url, api_key, timeout_s) as client:
+        chunks = client.chat.completions.create(
+            model=model, messages=chat_messages(text, image_urls), temperature=0.0,
+            max_tokens=max_tokens, extra_body=dict(extra_body or {}), stream=True,
+        )
+        with chunks:
+            for chunk in chunks:
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        pieces.append(choice.delta.content)
+    return "".join(pieces)

@@ -1,0 +1,115 @@
+"""The offline tiny models really serve on vLLM CPU, and their outputs depend on the image."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_harness import (
+    Server,
+    chat,
+    chat_completion,
+    image_data_url,
+    make_image,
+    start_vllm,
+    stop_all,
+    wait_all_ready,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+KINDS = ("llava", "qwen2vl")
+
+
+@pytest.fixture(scope="module")
+def servers(
+    tiny_llava: Path, tiny_qwen2vl: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Server]]:
+    """One aggregated server per tiny model, started together (import time dominates)."""
+    logs = tmp_path_factory.mktemp("tiny-models")
+    started = {
+        kind: start_vllm(model, log_path=logs / f"{kind}.log", name=kind)
+        for kind, model in (("llava", tiny_llava), ("qwen2vl", tiny_qwen2vl))
+    }
+    try:
+        wait_all_ready(started.values(), 300)
+        yield started
+    finally:
+        stop_all(started.values())
+    for server in started.values():
+        assert not server.alive()
+
+
+@pytest.fixture(params=KINDS)
+def server(request: pytest.FixtureRequest, servers: dict[str, Server]) -> Server:
+    return servers[request.param]
+
+
+def image(seed: int, size: int | tuple[int, int] = 56) -> str:
+    return image_data_url(make_image(seed, size))
+
+
+def test_ready_and_lists_the_model(server: Server) -> None:
+    assert server.healthy()
+    with urllib.request.urlopen(f"{server.base_url}/models", timeout=10) as resp:
+        models = [m["id"] for m in json.load(resp)["data"]]
+    assert models == [server.model]
+
+
+def test_different_images_give_different_outputs(server: Server) -> None:
+    outputs = [chat(server.base_url, server.model, image_urls=[image(seed)]) for seed in (1, 2, 3)]
+    assert all(outputs), outputs
+    assert len(set(outputs)) == 3, outputs
+
+
+def test_same_image_gives_the_same_output(server: Server) -> None:
+    first = chat(server.base_url, server.model, image_urls=[image(7)])
+    second = chat(server.base_url, server.model, image_urls=[image(7)])
+    assert first and first == second
+
+
+def test_text_only(server: Server) -> None:
+    text = chat(server.base_url, server.model, text="Hello, who are you?")
+    assert text
+    assert text == chat(server.base_url, server.model, text="Hello, who are you?")
+
+
+@pytest.mark.parametrize("with_image", [True, False], ids=["image", "text"])
+def test_streaming_equals_non_streaming(server: Server, with_image: bool) -> None:
+    urls = [image(11)] if with_image else []
+    plain = chat(server.base_url, server.model, image_urls=urls)
+    streamed = chat(server.base_url, server.model, image_urls=urls, stream=True)
+    assert plain and streamed == plain
+
+
+def test_two_images_in_one_prompt(server: Server) -> None:
+    both = chat(server.base_url, server.model, image_urls=[image(1), image(2)])
+    swapped = chat(server.base_url, server.model, image_urls=[image(2), image(1)])
+    assert both and swapped and both != swapped
+
+
+# Image placeholder tokens added to the prompt, by image size: LLaVA always has 16
+# ((56/14)^2); Qwen2-VL has 2 (vision start/end) + patches/4, capped at 112x112 -> 16.
+IMAGE_TOKENS = {
+    "llava": {56: 16, 112: 16, (400, 300): 16},
+    "qwen2vl": {56: 2 + 4, 112: 2 + 16},
+}
+
+
+def prompt_tokens(server: Server, urls: list[str]) -> int:
+    response = chat_completion(server.base_url, server.model, image_urls=urls, max_tokens=1)
+    assert response.usage is not None
+    return response.usage.prompt_tokens
+
+
+def test_image_token_counts(server: Server) -> None:
+    kind = server.name
+    text_only = prompt_tokens(server, [])
+    for size, tokens in IMAGE_TOKENS[kind].items():
+        assert prompt_tokens(server, [image(5, size)]) - text_only == tokens, size
+    if kind == "qwen2vl":
+        # A big image is scaled under the 112x112 pixel cap, never above 16 patches' worth.
+        assert prompt_tokens(server, [image(5, (400, 300))]) - text_only <= 2 + 16
