@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import is_running, run_pids
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_status_json_then_table_then_exited(epdctl, fake_topology, state_root, tmp_path) -> None:
+    topo = fake_topology()
+    assert epdctl("up", str(topo), "-d", "--timeout", "20").exit_code == 0
+    pids = run_pids(state_root)
+    result = epdctl("status", "--json")
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert list(doc) == ["name", "phase", "mode", "model", "topology", "state_dir", "proxy_url",
+                         "supervisor", "ready", "error", "instances"]
+    assert (doc["name"], doc["phase"], doc["mode"], doc["ready"]) == ("fake", "running", "e-pd",
+                                                                      True)
+    assert doc["topology"] == str(topo) and doc["supervisor"] == {"pid": pids["supervisor"],
+                                                                  "alive": True}
+    first = doc["instances"][0]
+    assert list(first) == ["name", "role", "gpus", "port", "url", "pid", "state", "uptime_s",
+                           "rss_bytes", "restarts", "exit_code", "log"]
+    assert [(i["name"], i["role"], i["state"], i["pid"]) for i in doc["instances"]] == [
+        ("encode-0", "encode", "ready", pids["encode-0"]),
+        ("pd-0", "prefill_decode", "ready", pids["pd-0"]),
+        ("proxy", "proxy", "ready", pids["proxy"]),
+    ]
+    assert all(i["rss_bytes"] > 1 << 20 for i in doc["instances"])
+    assert first["url"] == f"http://127.0.0.1:{first['port']}"
+
+    table = epdctl("status")
+    assert table.exit_code == 0
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["INSTANCE", "ROLE", "GPUS", "PORT", "PID", "STATE", "UPTIME",
+                                "RSS"]
+    assert lines[2].split()[:6] == ["pd-0", "prefill_decode", "-", str(doc["instances"][1]["port"]),
+                                    str(pids["pd-0"]), "ready"]
+
+    # No restart policy: the supervisor stops everything when pd-0 dies.
+    os.killpg(pids["pd-0"], signal.SIGKILL)
+    end = time.monotonic() + 15
+    while is_running(pids["supervisor"]) and time.monotonic() < end:
+        time.sleep(0.1)
+    after = epdctl("status", "--json")
+    assert after.exit_code == 1
+    doc = json.loads(after.stdout)
+    assert doc["phase"] == "exited" and doc["supervisor"]["alive"] is False
+    assert doc["error"].startswith("`pd-0` was killed by SIGKILL while serving;")
+    assert [i["state"] for i in doc["instances"]] == ["exited"] * 3
+    assert epdctl("down").stderr.startswith("Nothing of fake was running; removed its state.")
+
+
+def test_status_when_nothing_runs(epdctl, state_root) -> None:
+    result = epdctl("status")
+    assert result.exit_code == 1
+    assert result.stderr == f"Error: nothing is running (no topology under {state_root})\n"
