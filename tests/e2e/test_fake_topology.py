@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -53,8 +52,8 @@ def test_detached_round_trip(fake_topology, state_root) -> None:
     status = epdctl(env, "status", "--json")
     assert status.returncode == 0
     doc = json.loads(status.stdout)
-    reply = httpx.post(f"{doc['proxy_url']}/v1/chat/completions",
-                       json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+    reply = httpx.post(f"{doc['proxy_url']}/v1/chat/completions", json=body)
     assert reply.status_code == 200
     logs = epdctl(env, "logs", "-n", "5", "proxy")
     assert "proxy | fake: POST /v1/chat/completions" in logs.stdout
@@ -73,7 +72,7 @@ def test_foreground_ctrl_c_stops_everything(fake_topology, state_root) -> None:
         assert proc.wait(timeout=30) == 130
     finally:
         proc.kill()
-    assert not any(is_running(p) for name, p in pids.items())
+    assert not any(is_running(p) for p in pids.values())
     assert not (state_root / "fake" / "state.json").exists()
 
 
