@@ -12,21 +12,24 @@ from pathlib import Path
 
 from epdctl import cache
 from epdctl.errors import PlanError
-from epdctl.topology import ROLE_NAMES, ROLE_PREFIX, Role, Topology
+from epdctl.topology import (
+    NAMESPACE_FLAGS,
+    ROLE_NAMES,
+    ROLE_PREFIX,
+    Role,
+    Topology,
+    canonical_flag,
+    flag_value,
+)
+
+__all__ = [
+    "NAMESPACE_FLAGS", "LaunchSpec", "Plan", "compute_namespace", "ec_transfer_config",
+    "flag_value", "kv_transfer_config", "plan",
+]
 
 HOST = "127.0.0.1"
 CPU_ENGINE_COMMAND = ("{python}", "-m", "epdctl.engines.vllm_cpu", "serve")
 GPU_ENGINE_COMMAND = ("vllm", "serve")
-# Engine flags that change encoder outputs for the same mm_hash: E and its consumers must
-# agree on them, and they go into the namespace so a foreign entry is never a hit.
-NAMESPACE_FLAGS = (
-    "--dtype",
-    "--revision",
-    "--mm-processor-kwargs",
-    "--media-io-kwargs",
-    "--mm-hasher-algorithm",
-    "--tokenizer",
-)
 PROXY_NAME = "proxy"
 
 
@@ -84,17 +87,6 @@ class Plan:
         raise KeyError(name)
 
 
-def flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The last value of `--flag V` or `--flag=V` in args."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def model_fingerprint(model: str) -> str:
     """A local model directory is identified by its config.json, an id by itself."""
     config = Path(model) / "config.json"
@@ -105,93 +97,84 @@ def model_fingerprint(model: str) -> str:
 
 def compute_namespace(topology: Topology, vllm_version: str) -> str:
     """Hash of everything that makes encoder outputs comparable across instances."""
-    flags = {}
     args = list(topology.engine.args)
     if "encode" in topology.roles:
         args += topology.roles["encode"].args
-    for flag in NAMESPACE_FLAGS:
-        flags[flag] = flag_value(args, flag)
     material = {
         "vllm": vllm_version,
         "model": topology.model,
         "model_config": model_fingerprint(topology.model),
-        "flags": flags,
+        "flags": {flag: canonical_flag(args, flag) for flag in NAMESPACE_FLAGS},
         "format": cache.FORMAT_VERSION,
     }
     digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
     return f"{topology.name}-{digest[:12]}"
 
 
-def _check_consumers_agree(topology: Topology) -> None:
-    if "encode" not in topology.roles:
-        return
-    encode = topology.roles["encode"].args
-    for role_name, role in topology.roles.items():
-        if role_name == "encode":
-            continue
-        for flag in NAMESPACE_FLAGS:
-            if flag_value(encode, flag) != flag_value(role.args, flag):
-                raise PlanError(
-                    f"roles -> {role_name} -> args: {flag} must match the encode role's "
-                    f"(encoder outputs would not fit); put it in engine.args instead"
-                )
+def _visible(count: int) -> str:
+    if count == 1:
+        return "1 GPU is visible (index 0)"
+    return f"{count} GPUs are visible (indices 0 to {count - 1})" if count else "no GPU is visible"
 
 
-def _assign_gpus(
-    topology: Topology, visible: Sequence[str]
-) -> dict[str, list[list[str]]]:
-    """Per role, per replica: the device ids it gets."""
-    explicit = {
+def _assign_gpus(topology: Topology, visible: Sequence[str]) -> dict[str, list[list[str]]]:
+    """Per role, per replica: the device ids it gets. Counts pick GPUs no role lists."""
+    problems = [
+        f"roles -> {name} -> gpus: GPU {gpu} does not exist; {_visible(len(visible))}"
+        for name, role in topology.roles.items() if isinstance(role.gpus, list)
+        for gpu in role.gpus if gpu >= len(visible)
+    ]
+    listed = {
         gpu for role in topology.roles.values() if isinstance(role.gpus, list) for gpu in role.gpus
     }
-    for name, role in topology.roles.items():
-        if isinstance(role.gpus, list):
-            for gpu in role.gpus:
-                if gpu >= len(visible):
-                    raise PlanError(
-                        f"roles -> {name} -> gpus: GPU {gpu} does not exist "
-                        f"(this machine shows {len(visible)} GPU(s))"
-                    )
-    free = [i for i in range(len(visible)) if i not in explicit]
+    free = [i for i in range(len(visible)) if i not in listed]
     result: dict[str, list[list[str]]] = {}
     for name in ROLE_NAMES:
         role = topology.roles.get(name)
         if role is None:
             continue
-        need = role.replicas * role.tensor_parallel
-        if isinstance(role.gpus, list):
-            indices = list(role.gpus)
-        else:
-            if need > len(free):
-                raise PlanError(
-                    f"roles -> {name} -> gpus: needs {need} GPU(s) but only {len(free)} "
-                    f"unassigned of {len(visible)} remain"
-                )
-            indices, free = free[:need], free[need:]
         tp = role.tensor_parallel
+        if isinstance(role.gpus, list):
+            indices = [i for i in role.gpus if i < len(visible)]
+        elif role.replicas * tp > len(free):
+            need, left = role.replicas * tp, len(free)
+            problems.append(
+                f"roles -> {name} -> gpus: needs {need} GPU{'s' * (need != 1)} but only {left} "
+                f"{'is' if left == 1 else 'are'} left unassigned; {_visible(len(visible))}"
+            )
+            continue
+        else:
+            indices, free = free[: role.replicas * tp], free[role.replicas * tp :]
         result[name] = [
             [visible[i] for i in indices[r * tp : (r + 1) * tp]] for r in range(role.replicas)
         ]
+    if problems:
+        raise PlanError("\n".join(problems))
     return result
 
 
-def _check_sharing(owners: dict[str, list[tuple[str, Role]]]) -> None:
+def _check_sharing(owners: dict[str, list[tuple[str, str, Role]]]) -> None:
+    """GPUs with several instances: every role needs a fraction, and they must fit."""
+    missing: dict[str, str] = {}
+    too_much: list[str] = []
     for gpu, users in owners.items():
         if len(users) < 2:
             continue
-        names = ", ".join(n for n, _ in users)
-        missing = [n for n, r in users if r.gpu_memory_utilization is None]
-        if missing:
-            raise PlanError(
-                f"GPU {gpu} is shared by {names}: give each of their roles a "
-                f"gpu_memory_utilization (missing for {', '.join(missing)})"
+        names = ", ".join(f"`{name}`" for name, _, _ in users)
+        for _, role_name, role in users:
+            if role.gpu_memory_utilization is None:
+                missing.setdefault(role_name, (
+                    f"roles -> {role_name} -> gpu_memory_utilization: required, because "
+                    f"GPU {gpu} is shared by {names}"
+                ))
+        fractions = [role.gpu_memory_utilization for _, _, role in users]
+        if None not in fractions and sum(f or 0 for f in fractions) > 1.0 + 1e-9:
+            too_much.append(
+                f"GPU {gpu} is shared by {names}: their gpu_memory_utilization adds up to "
+                f"{sum(f or 0 for f in fractions):.2f}, more than 1"
             )
-        total = sum(r.gpu_memory_utilization or 0 for _, r in users)
-        if total > 1.0 + 1e-9:
-            raise PlanError(
-                f"GPU {gpu} is shared by {names}: their gpu_memory_utilization adds up "
-                f"to {total:.2f}, more than 1"
-            )
+    if missing or too_much:
+        raise PlanError("\n".join([*missing.values(), *too_much]))
 
 
 def ec_transfer_config(topology: Topology, role: str, namespace: str, engine_id: str) -> dict:
@@ -231,15 +214,30 @@ def _engine_command(topology: Topology, python: str) -> list[str]:
     return [python if part == "{python}" else part for part in base]
 
 
-def _ports(topology: Topology, count: int) -> list[int]:
-    ports, port = [], topology.ports.base
+def _ports(start: int, count: int, taken: set[int], what: str) -> list[int]:
+    """count ports from start, skipping taken ones."""
+    ports: list[int] = []
+    port = start
     while len(ports) < count:
         if port > 65535:
-            raise PlanError(f"ports -> base: {count} ports from {topology.ports.base} pass 65535")
-        if port != topology.proxy.port:
+            raise PlanError(f"{what}: {count} port(s) from {start} do not fit below 65536")
+        if port not in taken:
             ports.append(port)
         port += 1
     return ports
+
+
+def _cpu_binding(index: int, instances: int, cpu_count: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: an equal slice of the CPUs per instance.
+
+    vLLM's CPU default binds every server to the same cores, so concurrent instances
+    would fight over them.
+    """
+    cpu_count = max(cpu_count, 1)
+    per = cpu_count // instances
+    if per <= 1:
+        return str(index % cpu_count)
+    return f"{index * per}-{index * per + per - 1}"
 
 
 def plan(
@@ -252,15 +250,19 @@ def plan(
     cpu_count: int = 1,
 ) -> Plan:
     """Place the topology: one LaunchSpec per instance plus the proxy. Pure."""
-    _check_consumers_agree(topology)
     namespace = compute_namespace(topology, vllm_version)
     gpus = _assign_gpus(topology, visible_gpus) if topology.device == "cuda" else {}
     order = [(name, r) for name in ROLE_NAMES if name in topology.roles
              for r in range(topology.roles[name].replicas)]
-    http_ports = _ports(topology, len(order))
-    side_port = topology.ports.side_channel_base
+    http_ports = _ports(topology.ports.base, len(order), {topology.proxy.port}, "ports -> base")
+    kv_count = sum(1 for name, _ in order if name in ("prefill", "decode"))
+    side_ports = iter(_ports(
+        topology.ports.side_channel_base, kv_count, {topology.proxy.port, *http_ports},
+        "ports -> side_channel_base",
+    ))
     command = _engine_command(topology, python)
-    owners: dict[str, list[tuple[str, Role]]] = {}
+    owners: dict[str, list[tuple[str, str, Role]]] = {}
+    last_user: dict[str, str] = {}
     specs: list[LaunchSpec] = []
     for index, (role_name, replica) in enumerate(order):
         role = topology.roles[role_name]
@@ -282,30 +284,32 @@ def plan(
         if role_name in ("prefill", "decode"):
             kv = kv_transfer_config(topology, role_name, state_dir)
             argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
-            side = side_port
-            side_port += 1
+            side = next(side_ports)
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
         devices: tuple[str, ...] = ()
+        after: list[str] = []
         if topology.device == "cuda":
             devices = tuple(gpus[role_name][replica])
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+            # Indices mean what nvidia-smi and NVML show, not CUDA's fastest-first order.
+            env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
             for dev in devices:
-                owners.setdefault(dev, []).append((name, role))
+                owners.setdefault(dev, []).append((name, role_name, role))
+                # vLLM checks at startup that its fraction of the GPU is free: start after
+                # the previous instance on each shared GPU has taken its share.
+                if dev in last_user and last_user[dev] not in after:
+                    after.append(last_user[dev])
+                last_user[dev] = name
         else:
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(index % max(cpu_count, 1)))
-        after = tuple(
-            other.name for other in specs if set(other.gpus) & set(devices)
-        )
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(index, len(order), cpu_count))
         specs.append(LaunchSpec(
             name=name, role=role_name, argv=tuple(argv), env=env, port=port,
             log_path=state_dir / "logs" / f"{name}.log",
             health_url=f"http://{HOST}:{port}/health", gpus=devices,
-            side_channel_port=side, start_after=after[-1:],
+            side_channel_port=side, start_after=tuple(after),
         ))
     _check_sharing(owners)
     proxy = _proxy_spec(topology, state_dir, specs, python)
-    if len({s.port for s in (*specs, proxy)}) != len(specs) + 1:
-        raise PlanError("ports: two instances would share a port")
     return Plan(
         name=topology.name, mode=topology.mode, state_dir=state_dir, namespace=namespace,
         store_dir=topology.cache.dir / namespace, model_name=topology.model_name,
@@ -333,7 +337,8 @@ def _proxy_spec(
     if not p.metadata_rewrite:
         argv.append("--no-metadata-rewrite")
     env = {"EPDCTL_PROXY_API_KEY": p.api_key} if p.api_key else {}
-    host = HOST if p.host in ("0.0.0.0", "::", "") else p.host
+    host = HOST if p.host in ("0.0.0.0", "::") else p.host
+    host = f"[{host}]" if ":" in host else host
     return LaunchSpec(
         name=PROXY_NAME, role="proxy", argv=tuple(argv), env=env, port=p.port,
         log_path=state_dir / "logs" / f"{PROXY_NAME}.log",

@@ -1,0 +1,78 @@
+"""visible_gpus(): the NVIDIA GPUs epdctl may hand out, found through NVML."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from epdctl.errors import PlanError
+
+CPU_HINT = "for a CPU-only machine use `device: cpu`, see topologies/cpu-demo.yaml"
+
+
+def _nvml_devices() -> list[str]:
+    """The UUID of every GPU NVML sees, by NVML index (PCI bus order, as nvidia-smi)."""
+    try:
+        import pynvml
+    except ImportError:
+        raise PlanError(
+            f"no NVIDIA GPU found (NVML: nvidia-ml-py is not installed); {CPU_HINT}"
+        ) from None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise PlanError(f"no NVIDIA GPU found (NVML: {exc}); {CPU_HINT}") from None
+    try:
+        uuids = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+            uuids.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
+        return uuids
+    except pynvml.NVMLError as exc:
+        raise PlanError(f"NVML cannot list the GPUs: {exc}") from None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def _matches(entry: str, uuids: list[str]) -> bool:
+    """Whether a CUDA_VISIBLE_DEVICES entry names a GPU (an index or a UUID prefix)."""
+    if entry.isdigit():
+        return int(entry) < len(uuids)
+    if entry.startswith("MIG-"):
+        return True  # MIG instances are not listed by index; let CUDA judge
+    return entry.startswith("GPU-") and sum(u.startswith(entry) for u in uuids) == 1
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Device ids to write into each instance's CUDA_VISIBLE_DEVICES, in visible order.
+
+    Without an outer CUDA_VISIBLE_DEVICES these are NVML indices ("0", "1", ...). With one,
+    they are its entries as written (indices or GPU-UUIDs): the instances get the same
+    devices the user let epdctl see, and a role's `gpus: [0]` means the first of them.
+    """
+    environ = os.environ if environ is None else environ
+    uuids = _nvml_devices()
+    if not uuids:
+        raise PlanError(f"no NVIDIA GPU found (NVML: 0 devices); {CPU_HINT}")
+    outer = environ.get("CUDA_VISIBLE_DEVICES")
+    if outer is None:
+        return [str(i) for i in range(len(uuids))]
+    entries = [e.strip() for e in outer.split(",")] if outer.strip() else []
+    if not entries or not _matches(entries[0], uuids):
+        raise PlanError(
+            f"no NVIDIA GPU visible: CUDA_VISIBLE_DEVICES={outer!r} hides all {len(uuids)}; "
+            f"unset it, or {CPU_HINT}"
+        )
+    for entry in entries:
+        if not _matches(entry, uuids):
+            # CUDA would silently drop this entry and every one after it.
+            raise PlanError(
+                f"CUDA_VISIBLE_DEVICES={outer!r}: {entry!r} is not a GPU of this machine "
+                f"(NVML shows {len(uuids)}: indices 0 to {len(uuids) - 1})"
+            )
+    if len(set(entries)) != len(entries):
+        raise PlanError(f"CUDA_VISIBLE_DEVICES={outer!r} lists a GPU twice")
+    return entries

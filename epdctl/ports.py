@@ -1,0 +1,69 @@
+"""Port checks before launch: can every port in the plan be bound right now?"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from collections.abc import Iterable
+
+from epdctl.errors import PlanError
+from epdctl.plan import HOST, Plan, flag_value
+
+
+def _bind_error(port: int, host: str) -> OSError | None:
+    """Bind (no listen) as the server would; the error, or None when the port is free."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        return exc
+    with socket.socket(family, kind, proto) as sock:
+        if os.name == "posix":
+            # uvicorn and vLLM set SO_REUSEADDR: a port whose last connections linger in
+            # TIME_WAIT (just after `down`) is free for them, and must be free for us.
+            # A listening socket still makes bind fail with EADDRINUSE.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return exc
+    return None
+
+
+def taken_ports(ports: Iterable[int], host: str = HOST) -> list[int]:
+    """The ports another socket already holds on host, in the order given."""
+    taken = []
+    for port in ports:
+        error = _bind_error(port, host)
+        if error is not None and error.errno == errno.EADDRINUSE:
+            taken.append(port)
+    return taken
+
+
+def _problem(port: int, what: str, host: str, error: OSError) -> str:
+    if error.errno == errno.EADDRINUSE:
+        return f"port {port} for {what} is already in use"
+    if error.errno == errno.EACCES and port < 1024:
+        return f"port {port} for {what} needs root (ports below 1024 are privileged)"
+    reason = error.strerror or str(error)
+    return f"port {port} for {what} cannot be bound on {host}: {reason}"
+
+
+def check_plan_ports(plan: Plan) -> None:
+    """Raise PlanError naming each planned port that cannot be bound now."""
+    wanted: list[tuple[int, str, str]] = []
+    for spec in plan.instances:
+        wanted.append((spec.port, f"`{spec.name}`", HOST))
+        if spec.side_channel_port is not None:
+            wanted.append((spec.side_channel_port, f"`{spec.name}` (NIXL side channel)", HOST))
+    proxy_host = flag_value(plan.proxy.argv, "--host") or HOST
+    wanted.append((plan.proxy.port, f"`{plan.proxy.name}`", proxy_host))
+    problems = []
+    for port, what, host in wanted:
+        error = _bind_error(port, host)
+        if error is not None:
+            problems.append(_problem(port, what, host, error))
+    if problems:
+        raise PlanError("\n".join(problems))
