@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from epdctl.proxy.config import ProxyConfig
 
@@ -17,7 +18,7 @@ log = logging.getLogger("epdctl.proxy")
 KEEPALIVE_EXPIRY_S = 2.0
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int]:
+def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int, str]:
     """The config plus the address to bind."""
     p = argparse.ArgumentParser(prog="python -m epdctl.proxy", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
@@ -35,6 +36,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--eject-after", type=int, default=3)
     p.add_argument("--no-metadata-rewrite", action="store_true")
+    p.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
+                   help="upstream HTTP client (see benchmarks/proxy.py)")
     p.add_argument("--api-key", default=os.environ.get("EPDCTL_PROXY_API_KEY") or None,
                    help="default: $EPDCTL_PROXY_API_KEY")
     a = p.parse_args(argv)
@@ -51,39 +54,53 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int
         )
     except ValueError as exc:
         p.error(str(exc))
-    return config, a.host, a.port
+    return config, a.host, a.port, a.client
 
 
-async def serve(config: ProxyConfig, host: str, port: int) -> None:
+async def serve(config: ProxyConfig, host: str, port: int, client_kind: str = "aiohttp") -> None:
     """Own the shared client, run the health loop beside the server, close both on exit."""
-    import httpx
     import uvicorn
 
     from epdctl.proxy.app import create_app
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024,
-                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
-    timeout = httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with _client(config, client_kind) as client:
         app = create_app(config, client)
         server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, http="httptools", lifespan="off", access_log=False,
             log_level="warning", timeout_keep_alive=30, backlog=4096))
         health = asyncio.create_task(app.state.proxy.run_health_checks())
         log.info("proxy on http://%s:%d mode=%s encode=%s pd=%s prefill=%s decode=%s "
-                 "rewrite=%s auth=%s", host, port, config.mode, list(config.encode),
+                 "rewrite=%s auth=%s client=%s", host, port, config.mode, list(config.encode),
                  list(config.pd), list(config.prefill), list(config.decode),
-                 config.metadata_rewrite, "on" if config.api_key else "off")
+                 config.metadata_rewrite, "on" if config.api_key else "off", client_kind)
         try:
             await server.serve()
         finally:
             health.cancel()
 
 
+def _client(config: ProxyConfig, kind: str) -> Any:
+    """The one shared upstream client (an async context manager that closes it)."""
+    if kind == "httpx":
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        timeout = httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s)
+        return httpx.AsyncClient(limits=limits, timeout=timeout)
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
+        total=None, connect=config.connect_timeout_s, sock_read=config.decode_timeout_s))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    config, host, port = parse_args(argv)
+    config, host, port, client_kind = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every sub-request at INFO; the proxy's own line per request says more.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         import uvloop
 
@@ -91,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ImportError:
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(config, host, port))
+        runner.run(serve(config, host, port, client_kind))
 
 
 if __name__ == "__main__":

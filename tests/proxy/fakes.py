@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -53,9 +54,11 @@ class Seen:
     path: str
     headers: httpx.Headers
     body: dict[str, Any] | None
+    raw: bytes = b""
 
 
-Handler = Callable[[Seen], httpx.Response | None]
+Handler = Callable[[Seen], Any]
+"""Returns a response, None (the default answer), or an awaitable of either."""
 
 
 @dataclass
@@ -87,7 +90,7 @@ class Fakes:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         instance = request.url.host
         body = json.loads(request.content) if request.content else None
-        seen = Seen(instance, request.url.path, request.headers, body)
+        seen = Seen(instance, request.url.path, request.headers, body, request.content)
         self.seen.append(seen)
         if request.url.path == "/health":
             return httpx.Response(503 if instance in self.down else 200)
@@ -96,6 +99,8 @@ class Fakes:
         queue = self.script.get(instance)
         if queue:
             answer = queue.pop(0)(seen)
+            if inspect.isawaitable(answer):
+                answer = await answer
             if answer is not None:
                 return answer
         return self.default(seen)
@@ -116,6 +121,12 @@ class Fakes:
             return httpx.Response(200, headers={"content-type": "text/event-stream"},
                                   stream=_Chunks(chunks))
         return httpx.Response(200, json=completion())
+
+
+def sse_response(*chunks: bytes, status: int = 200) -> httpx.Response:
+    """A streamed answer, chunk by chunk, as a real transport delivers it."""
+    return httpx.Response(status, headers={"content-type": "text/event-stream"},
+                          stream=_Chunks(list(chunks)))
 
 
 class _Chunks(httpx.AsyncByteStream):
