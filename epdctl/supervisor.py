@@ -195,13 +195,13 @@ class Supervisor:
         if now - self._janitor_at < JANITOR_INTERVAL_S:
             return
         self._janitor_at = now
-        try:
-            from epdctl.cache.janitor import enforce  # type: ignore[import-not-found]
-        except ImportError:
-            return  # TODO(cache helper): epdctl.cache.janitor not written yet
+        from epdctl.cache.janitor import enforce
+
         s = self.state.settings
         try:
-            enforce(Path(self.state.store_dir), capacity_bytes=s.cache_capacity_bytes,
+            # The janitor walks the store root's namespaces. Other topologies' namespaces are
+            # left alone (no keep_namespaces): two topologies may share /dev/shm/epdctl.
+            enforce(Path(self.state.store_dir).parent, capacity_bytes=s.cache_capacity_bytes,
                     ttl_s=s.cache_ttl_s, grace_s=s.cache_grace_s)
         except Exception as exc:  # the janitor must never take the topology down
             print(f"epdctl: cache janitor failed: {exc!r}", file=sys.stderr)

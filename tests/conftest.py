@@ -68,7 +68,8 @@ def fake_topology(tmp_path: Path) -> Callable[..., Path]:
     """Write a `device: cpu` topology whose engines are tests/fake_server.py; returns its path."""
 
     def write(name: str = "fake", *, pd_args: tuple[str, ...] = (),
-              encode_args: tuple[str, ...] | None = (), extra: str = "") -> Path:
+              encode_args: tuple[str, ...] | None = (), extra: str = "",
+              cache: str = "") -> Path:
         base = free_ports(8)
         roles = ""
         if encode_args is not None:
@@ -77,7 +78,7 @@ def fake_topology(tmp_path: Path) -> Callable[..., Path]:
         text = (
             f"name: {name}\nmodel: fake-model\ndevice: cpu\n"
             f"engine: {{command: [{sys.executable!r}, {str(FAKE_SERVER)!r}]}}\n"
-            f"cache: {{dir: {str(tmp_path / 'shm')!r}}}\n"
+            f"cache: {{dir: {str(tmp_path / 'shm')!r}{', ' + cache if cache else ''}}}\n"
             f"ports: {{base: {base}, side_channel_base: {base + 5}}}\n"
             f"proxy: {{port: {base + 4}}}\n{extra}roles:\n{roles}"
         )

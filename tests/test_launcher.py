@@ -219,3 +219,17 @@ def test_on_failure_restarts_then_gives_up(tmp_path, fake_topology, fake_proxy) 
     assert sup.state.records["pd-0"].restarts == 1
     log = sup.state.specs[1].log_path
     assert Path(log).read_text().count("--- epdctl start") == 2
+
+
+def test_janitor_runs_on_the_store_root(tmp_path, fake_topology, fake_proxy, monkeypatch) -> None:
+    calls = []
+
+    def enforce(root, **kwargs) -> None:
+        calls.append((root, kwargs))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr("epdctl.cache.janitor.enforce", enforce)
+    sup = supervisor_for(tmp_path, fake_topology(cache="capacity: 1MiB, ttl: 60"))
+    assert sup.run() == 143
+    assert calls == [(tmp_path / "shm", {"capacity_bytes": 1 << 20, "ttl_s": 60.0,
+                                         "grace_s": 120.0})]
