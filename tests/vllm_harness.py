@@ -295,3 +295,43 @@ def chat(
                     if choice.delta.content:
                         pieces.append(choice.delta.content)
     return "".join(pieces)
+
+
+REPO = Path(__file__).resolve().parents[1]
+TOPOLOGIES = REPO / "topologies"
+
+
+def copy_topology(
+    src: str | Path,
+    dest_dir: str | Path,
+    *,
+    model: str | Path,
+    proxy_port: int | None = None,
+    ports_base: int | None = None,
+    cache_dir: str | Path | None = None,
+    **overrides: object,
+) -> Path:
+    """Write a test copy of a topology: this model, free ports, a private EC store dir.
+
+    `src` may be a name under topologies/ ("cpu-demo"). Top-level `overrides` replace keys.
+    """
+    import yaml
+
+    src = Path(src)
+    if not src.suffix:
+        src = TOPOLOGIES / f"{src}.yaml"
+    data = yaml.safe_load(src.read_text())
+    dest_dir = Path(dest_dir)
+    data["model"] = str(Path(model).resolve())
+    data["proxy"] = {**data.get("proxy", {}), "port": proxy_port or free_port()}
+    data["ports"] = {
+        **data.get("ports", {}),
+        "base": ports_base or free_port(),
+        "side_channel_base": free_port(),
+    }
+    data["cache"] = {**data.get("cache", {}), "dir": str(cache_dir or dest_dir / "ec-store")}
+    data.update(overrides)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    out = dest_dir / src.name
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out

@@ -5,7 +5,8 @@ tokens) and a Qwen2-VL (M-RoPE, images capped at 112x112). Both share a byte-lev
 tokenizer trained in-process and a ChatML template. Builds are deterministic: the same
 recipe gives the same bytes, so the same image gives the same greedy output.
 
-    python -m epdctl.dev.tiny_models llava [--out DIR]   # prints the model directory
+    python -m epdctl.dev.tiny_models llava   # -> ~/.cache/epdctl/tiny-models/llava (a symlink)
+    python -m epdctl.dev.tiny_models qwen2vl --out DIR
 """
 
 from __future__ import annotations
@@ -328,22 +329,29 @@ def link_model(kind: str, link: str | Path, cache_root: str | Path | None = None
     return link
 
 
+def stable_path(kind: str, cache_root: str | Path | None = None) -> Path:
+    """`<root>/<kind>`: a symlink to the current build, the path CPU topologies name."""
+    root = Path(cache_root).expanduser() if cache_root else default_cache_root()
+    return link_model(kind, root / kind, root)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI: build (or reuse) a tiny model and print its directory."""
+    """Build a tiny model (or reuse the cached build) and print its directory."""
     parser = argparse.ArgumentParser(prog="python -m epdctl.dev.tiny_models",
                                      description=main.__doc__)
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument("--out", type=Path,
-                        help="build into this directory (default: the cache, reused)")
+                        help="build into this directory instead of the cache")
     parser.add_argument("--link", type=Path,
-                        help="also point this stable path (a symlink) at the cached build")
+                        help="point this symlink at the cached build "
+                             "(default: <cache>/<kind>, e.g. ~/.cache/epdctl/tiny-models/llava)")
     args = parser.parse_args(argv)
     if args.out:
         path = build(args.kind, args.out)
     elif args.link:
         path = link_model(args.kind, args.link)
     else:
-        path = ensure_model(args.kind)
+        path = stable_path(args.kind)
     print(path)
     return 0
 

