@@ -155,6 +155,7 @@ class Generator:
         timeout_s = self.config.decode_timeout_s
         started = time.perf_counter()
         reply: Reply | None = None
+        is_handed_off = False
         inst.outstanding += 1
         try:
             async with asyncio.timeout(timeout_s):
@@ -172,7 +173,7 @@ class Generator:
                 raise StageFailed(stage, inst, status=error_status(error),
                                   body=json.dumps(error).encode())
             stream = self._relay(head, chunks, reply, inst, trace)
-            reply = None  # the relay owns it now
+            is_handed_off = True  # the relay closes the reply and releases the instance
             return Answer(200, "text/event-stream; charset=utf-8", stream=stream)
         except TimeoutError:
             error = UpstreamError(stage, inst.url, "timeout", f"no answer in {timeout_s}s")
@@ -181,9 +182,10 @@ class Generator:
             raise StageFailed(stage, inst, error=exc) from None
         finally:
             self.metrics.stage["decode"].observe(trace.timed("decode", started))
-            if reply is not None:
+            if not is_handed_off:
                 inst.outstanding -= 1
-                await reply.close()
+                if reply is not None:
+                    await reply.close()
 
     async def _relay(self, head: bytes, chunks: AsyncIterator[bytes], reply: Reply,
                      inst: Instance, trace: Trace) -> AsyncIterator[bytes]:

@@ -117,7 +117,12 @@ class Proxy:
         return None
 
     async def _serve(self, route: str, receive: Any, send: Any, trace: Trace) -> None:
-        raw = await _read_body(receive, self.config.max_body_bytes)
+        try:
+            raw = await _read_body(receive, self.config.max_body_bytes)
+        except ProxyError as exc:
+            await _send(send, _error(exc), trace.rid)
+            self._finish(trace, exc.status)
+            return
         if raw is None:
             self._finish(trace, "client_gone")
             return

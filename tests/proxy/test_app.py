@@ -1,0 +1,176 @@
+"""The app's edges: auth, the in-flight bound, limits, /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.proxy.fakes import MODEL
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_api_key_guards_every_route_but_health(rig_factory):
+    rig = rig_factory(api_key="s3cret")
+    for method, path in (("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                         ("GET", "/v1/models"), ("GET", "/metrics")):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            r = await rig.client.request(method, path, headers=headers, json={})
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert (await rig.client.get("/health")).status_code == 200
+    ok = {"authorization": "Bearer s3cret"}
+    assert (await rig.client.get("/v1/models", headers=ok)).status_code == 200
+    r = await rig.client.post("/v1/chat/completions", headers=ok, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    assert "authorization" not in rig.fakes.posts("pd")[0].headers  # the key stays here
+
+
+async def test_in_flight_bound_answers_503_with_retry_after(rig_factory):
+    rig = rig_factory(max_inflight=2)
+    gate = asyncio.Event()
+
+    async def held(seen):
+        await gate.wait()
+
+    rig.fakes.then("pd0", held, held)
+    first = [asyncio.create_task(rig.chat("hi")) for _ in range(2)]
+    while rig.proxy.inflight < 2:
+        await asyncio.sleep(0.01)
+    r = await rig.chat("hi")
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "overloaded"
+    gate.set()
+    assert [t.status_code for t in await asyncio.gather(*first)] == [200, 200]
+    assert rig.proxy.inflight == 0
+    assert (await rig.chat("hi")).status_code == 200
+
+
+async def test_oversize_body_is_413_by_header_and_by_bytes(rig_factory):
+    rig = rig_factory(max_body_bytes=100)
+    r = await rig.chat("x" * 200)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    async def chunks():
+        for _ in range(5):
+            yield b"x" * 50
+
+    r = await rig.client.post("/v1/chat/completions", content=chunks())  # no content-length
+    assert r.status_code == 413
+    assert rig.fakes.posts("pd") == []
+
+
+async def test_validation_errors_are_openai_shaped(rig_factory):
+    rig = rig_factory()
+    r = await rig.client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": []})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    r = await rig.chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}])
+    assert r.status_code == 200  # aggregated PD without E: the proxy does not touch media
+    rig = rig_factory(encode=("http://e0",))
+    r = await rig.chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}])
+    assert r.status_code == 400 and "base64" in r.json()["error"]["message"]
+    assert rig.fakes.posts("") == []
+
+
+async def test_unknown_paths_and_methods_are_json(rig_factory):
+    rig = rig_factory()
+    r = await rig.client.get("/v1/nope")
+    assert r.status_code == 404 and "error" in r.json()
+    r = await rig.client.get("/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = await rig.client.post("/health")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+async def test_models_lists_the_served_names(rig_factory):
+    rig = rig_factory(models=(MODEL, "alias"))
+    body = (await rig.client.get("/v1/models")).json()
+    assert [m["id"] for m in body["data"]] == [MODEL, "alias"]
+    assert body["object"] == "list"
+
+
+async def test_health_says_which_instances_are_out(rig_factory):
+    rig = rig_factory(encode=("http://e0", "http://e1"), eject_after=1)
+    rig.fakes.down.add("e1")
+    await rig.proxy.upstreams.probe_all(lambda url: rig.proxy.client.probe(url, 1.0))
+    r = await rig.client.get("/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "degraded" and body["mode"] == "E|PD"
+    assert body["roles"]["encode"] == {"in": ["http://e0"], "out": ["http://e1"]}
+    rig.fakes.down.add("pd0")
+    await rig.proxy.upstreams.probe_all(lambda url: rig.proxy.client.probe(url, 1.0))
+    r = await rig.client.get("/health")
+    assert r.status_code == 503 and r.json()["roles"]["pd"]["out"] == ["http://pd0"]
+    metrics = (await rig.client.get("/metrics")).text
+    assert 'epdctl_proxy_instance_up{role="encode",url="http://e1"} 0.0' in metrics
+    rig.fakes.down.clear()
+    await rig.proxy.upstreams.probe_all(lambda url: rig.proxy.client.probe(url, 1.0))
+    assert (await rig.client.get("/health")).json()["status"] == "ok"
+
+
+async def test_ejected_instance_gets_no_requests_while_a_healthy_one_exists(rig_factory):
+    rig = rig_factory(pd=("http://pd0", "http://pd1"), eject_after=2)
+    rig.fakes.down.add("pd1")
+    for _ in range(2):
+        await rig.proxy.upstreams.probe_all(lambda url: rig.proxy.client.probe(url, 1.0))
+    rig.fakes.down.clear()  # back, but not yet re-admitted
+    for _ in range(6):
+        assert (await rig.chat("hi")).status_code == 200
+    assert {s.instance for s in rig.fakes.posts("pd")} == {"pd0"}
+    await rig.proxy.upstreams.probe_all(lambda url: rig.proxy.client.probe(url, 1.0))
+    for _ in range(6):
+        await rig.chat("hi")
+    assert {s.instance for s in rig.fakes.posts("pd")} == {"pd0", "pd1"}
+
+
+async def test_metrics_has_every_family(rig_factory):
+    rig = rig_factory(encode=("http://e0",))
+    from tests.proxy.fakes import image_part
+
+    await rig.chat([image_part()], stream=True)
+    await rig.client.post("/v1/chat/completions", content=b"{")
+    text = (await rig.client.get("/metrics")).text
+    for needle in (
+        'epdctl_proxy_requests_total{outcome="ok",route="/v1/chat/completions"} 1.0',
+        'epdctl_proxy_requests_total{outcome="client_error",route="/v1/chat/completions"} 1.0',
+        'epdctl_proxy_stage_seconds_count{stage="encode"} 1.0',
+        'epdctl_proxy_stage_seconds_count{stage="decode"} 1.0',
+        'epdctl_proxy_stage_seconds_count{stage="total"} 2.0',
+        "epdctl_proxy_encoder_fanout_items_count 1.0",
+        "# TYPE epdctl_proxy_fallbacks_total counter",
+        "# TYPE epdctl_proxy_retries_total counter",
+        "epdctl_proxy_inflight_requests 0.0",
+    ):
+        assert needle in text, needle
+
+
+async def test_two_apps_in_one_process_keep_separate_metrics(rig_factory):
+    a, b = rig_factory(), rig_factory()
+    await a.chat("hi")
+    assert 'outcome="ok"' in (await a.client.get("/metrics")).text
+    assert 'outcome="ok"' not in (await b.client.get("/metrics")).text
+
+
+async def test_request_log_line_names_stages(rig_factory, caplog):
+    rig = rig_factory(encode=("http://e0",), prefill=("http://p0",), decode=("http://d0",))
+    from tests.proxy.fakes import image_part
+
+    with caplog.at_level("INFO", logger="epdctl.proxy"):
+        await rig.client.post("/v1/chat/completions", headers={"x-request-id": "trace-me"},
+                              json={"messages": [{"role": "user", "content": [image_part()]}]})
+    [line] = [r.getMessage() for r in caplog.records if "rid=trace-me " in r.getMessage()]
+    for field in ("status=200", "encode_ms=", "prefill_ms=", "decode_ms=", "total_ms=",
+                  "items=1", "prefill=http://p0", "decode=http://d0"):
+        assert field in line, field
+
+
+async def test_upstream_client_is_shared_and_left_open(rig_factory):
+    rig = rig_factory()
+    assert isinstance(rig.proxy.client._client, httpx.AsyncClient)
+    await rig.chat("hi")
+    assert not rig.proxy.client._client.is_closed
