@@ -1,0 +1,176 @@
+"""`python -m epdctl.proxy` as a real process, the official openai client through it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.proxy.fakes import MODEL, STREAM, completion, image_part
+
+openai = pytest.importorskip("openai")
+KEY = "test-key"
+
+
+class _Upstream(BaseHTTPRequestHandler):
+    """A tiny vLLM stand-in: E answers ec_transfer_params, PD answers text or SSE."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list[tuple[str, dict, dict]] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _reply(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._reply(200, b"{}")
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        role = self.server.role  # type: ignore[attr-defined]
+        self.seen.append((role, dict(self.headers), body))
+        if "slow" in json.dumps(body):
+            time.sleep(3)
+        if role == "encode":
+            key = body["messages"][0]["content"][0].get("uuid", "k")
+            out = {"id": "e", "choices": [], "ec_transfer_params": {
+                key: {"item_indices": [0], "metadata": {"image_grid_thw": [1, 2, 2]}}}}
+            return self._reply(200, json.dumps(out).encode())
+        if body.get("stream"):
+            # Chunked in pieces that split a multi-byte character, as a real server may.
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            cut = STREAM.index("€".encode()) + 1
+            for piece in (STREAM[:cut], STREAM[cut:]):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            return None
+        return self._reply(200, json.dumps(completion("Hello from PD")).encode())
+
+
+def _serve(role: str) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    server.role = role  # type: ignore[attr-defined]
+    server.daemon_threads = True
+    server.handle_error = lambda *args: None  # type: ignore[method-assign]  # resets on close
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(params=["aiohttp", "httpx"])
+def proxy(request, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    enc, pd = _serve("encode"), _serve("pd")
+    _Upstream.seen = []
+    port = _free_port()
+    log = tmp_path / "proxy.log"
+    argv = [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
+            "--encode", f"http://127.0.0.1:{enc.server_port}",
+            "--pd", f"http://127.0.0.1:{pd.server_port}", "--pd", f"http://127.0.0.1:{_free_port()}",
+            "--encode-timeout", "5", "--decode-timeout", "1", "--client", request.param,
+            "--health-interval", "0.2", "--eject-after", "1"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "EPDCTL_PROXY_API_KEY": KEY},
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 20
+        while True:
+            try:
+                if httpx.get(base + "/health").json()["roles"]["pd"]["out"]:
+                    break  # up, and the dead PD instance has been ejected
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, log.read_text()
+            assert time.time() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield base, log
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        # uvicorn re-raises the SIGTERM it handled after a graceful shutdown.
+        assert proc.wait(10) in (0, -signal.SIGTERM), log.read_text()
+        enc.shutdown()
+        pd.shutdown()
+
+
+def test_openai_client_through_the_proxy_process(proxy):
+    base, log = proxy
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what?"}, image_part()]}], extra_headers={"x-request-id": "p-1"})
+    assert out.choices[0].message.content == "Hello from PD"
+    stream = client.chat.completions.create(
+        model=MODEL, stream=True, messages=[{"role": "user", "content": "hi"}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == "Hello é€😀"
+    with httpx.stream("POST", base + "/v1/chat/completions", headers={
+            "authorization": f"Bearer {KEY}"}, json={"model": MODEL, "stream": True,
+                                                    "messages": [{"role": "user",
+                                                                  "content": "hi"}]}) as r:
+        assert r.read() == STREAM
+    roles = [(role, headers.get("X-Request-Id") or headers.get("x-request-id"))
+             for role, headers, _ in _Upstream.seen]
+    assert roles[:2] == [("encode", "p-1:enc0"), ("pd", "p-1:decode")]
+    pd_body = _Upstream.seen[1][2]
+    assert pd_body["messages"][0]["content"][1]["type"] == "image_embeds"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="wrong").models.list()
+    time.sleep(0.2)
+    assert "rid=p-1 route=/v1/chat/completions status=200" in log.read_text()
+
+
+def test_process_maps_timeouts_to_504(proxy):
+    base, _ = proxy
+    r = httpx.post(base + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "slow"}]},
+                   timeout=10)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+
+
+def test_process_maps_a_dead_instance_to_502(tmp_path):
+    port, dead = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
+         "--pd", f"http://127.0.0.1:{dead}"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 20
+        while True:
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+                break
+            except httpx.ConnectError:
+                assert time.time() < deadline
+                time.sleep(0.1)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code in (200, 503)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(10) in (0, -signal.SIGTERM)
