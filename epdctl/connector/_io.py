@@ -15,7 +15,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class HostStaging:
@@ -55,7 +55,7 @@ def save_tensor(store: Store, key: str, t: torch.Tensor, staging: HostStaging) -
         host = staging.get(t.numel() * t.element_size())
         # A synchronous copy: the entry must be complete before E answers.
         host.copy_(t.contiguous().reshape(-1).view(torch.uint8))
-        data = memoryview(host.numpy())
+        data = host.numpy().data
     else:
         data = as_bytes(t.contiguous())
     return store.publish(key, data, dtype=dtype_name(t.dtype), shape=tuple(t.shape))
@@ -77,7 +77,7 @@ def load_tensors(
             dst = as_bytes(t)
         else:
             chunk = host[offset : offset + header.nbytes]
-            dst = memoryview(chunk.numpy())
+            dst = chunk.numpy().data
         error = _read_first(paths, header, dst)
         if error is not None:
             out.append(error)

@@ -69,7 +69,9 @@ class EpdctlShmECConnector(ECConnectorBase):
         )
         self._store.create()
         self._engine_id = str(cfg.engine_id)
-        self._dtype = _io.dtype_name(vllm_config.model_config.dtype)
+        dtype = vllm_config.model_config.dtype
+        # Resolved to a torch.dtype by vLLM's config; entries of another dtype are misses.
+        self._dtype = _io.dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
         parallel = vllm_config.parallel_config
         # Every TP x PCP rank of the first PP stage loads, each through its own pin.
         self._ranks = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size

@@ -74,13 +74,21 @@ def test_inspect_json(epdctl, shm: Path) -> None:
     assert doc["filesystem"] == {"total_bytes": 64 << 20, "free_bytes": 48 << 20}
     (ns,) = doc["namespaces"]
     assert {k: ns[k] for k in ("namespace", "entries", "pinned_entries", "hits", "misses")} == {
-        "namespace": "demo-0123456789ab", "entries": 2, "pinned_entries": 1, "hits": 1,
+        "namespace": "demo-0123456789ab",
+        "entries": 2,
+        "pinned_entries": 1,
+        "hits": 1,
         "misses": 1,
     }
-    assert ns["size_bytes"] == doc["size_bytes"] == sum(
-        p.stat().st_size for p in store.entries.iterdir())
+    assert (
+        ns["size_bytes"]
+        == doc["size_bytes"]
+        == sum(p.stat().st_size for p in store.entries.iterdir())
+    )
     assert [(i["key"], i["shape"], i["pinned"]) for i in ns["items"]] == [
-        ("lora:img-b", [2, 16], False), ("img-a", [4, 16], True)]
+        ("lora:img-b", [2, 16], False),
+        ("img-a", [4, 16], True),
+    ]
 
 
 def test_clean_dry_run_then_all_keeps_the_pinned_entry(epdctl, shm: Path) -> None:
@@ -95,8 +103,7 @@ def test_clean_dry_run_then_all_keeps_the_pinned_entry(epdctl, shm: Path) -> Non
     result = epdctl("cache", "clean", "--store-dir", str(shm), "--all", "--json")
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert [(r["reason"], r["namespace"]) for r in doc["removed"]] == [
-        ("all", "demo-0123456789ab")]
+    assert [(r["reason"], r["namespace"]) for r in doc["removed"]] == [("all", "demo-0123456789ab")]
     assert (doc["kept_pinned"], doc["dry_run"]) == (1, False)
     assert os.listdir(store.entries) == ["img-a.ec"]
 
@@ -107,8 +114,16 @@ def test_clean_older_than_and_max_bytes(epdctl, shm: Path) -> None:
     assert result.exit_code == 0, result.stderr
     # img-a is 3 h old but pinned; lora:img-b is 5 min old.
     assert result.stdout.startswith("Removed 0 entries (0 B), 0 stale pins")
-    result = epdctl("cache", "clean", "--store-dir", str(shm), "--max-bytes", "1KiB",
-                    "--namespace", "demo-0123456789ab")
+    result = epdctl(
+        "cache",
+        "clean",
+        "--store-dir",
+        str(shm),
+        "--max-bytes",
+        "1KiB",
+        "--namespace",
+        "demo-0123456789ab",
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith("Removed 1 entry (4.1 KiB)")
     assert os.listdir(store.entries) == ["img-a.ec"]

@@ -83,8 +83,17 @@ def _namespace_table(namespaces: list[dict[str, Any]], now: float) -> Table:
     for ns in namespaces:
         name = ns["namespace"] + (" *" if ns["active"] else "")
         pinned = f"{ns['pinned_entries']}/{ns['pins']}" if ns["pins"] else str(ns["pinned_entries"])
-        cells = (ns["entries"], size(ns["size_bytes"]), pinned, ns["hits"], ns["misses"],
-                 ns["saves"], ns["loads"], _age(now, ns["oldest"]), _age(now, ns["newest"]))
+        cells = (
+            ns["entries"],
+            size(ns["size_bytes"]),
+            pinned,
+            ns["hits"],
+            ns["misses"],
+            ns["saves"],
+            ns["loads"],
+            _age(now, ns["oldest"]),
+            _age(now, ns["newest"]),
+        )
         table.add_row(Text(name), *(Text(str(c)) for c in cells))
     return table
 
@@ -109,7 +118,13 @@ def _entry_table(items: list[dict[str, Any]], now: float) -> Table:
         table.add_column(name, justify="right")
     for e in items:
         shape = "?" if e["shape"] is None else "x".join(str(d) for d in e["shape"])
-        cells = (e["dtype"] or "?", shape, size(e["size_bytes"]), _age(now, e["last_used"]),
-                 e["hits"], "yes" if e["pinned"] else "")
+        cells = (
+            e["dtype"] or "?",
+            shape,
+            size(e["size_bytes"]),
+            _age(now, e["last_used"]),
+            e["hits"],
+            "yes" if e["pinned"] else "",
+        )
         table.add_row(Text(e["key"]), *(Text(str(c)) for c in cells))
     return table

@@ -1,0 +1,278 @@
+"""EpdctlShmECConnector driven the way vLLM's scheduler and workers drive it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm.config import ECTransferConfig  # noqa: E402
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
+from vllm.multimodal.inputs import (  # noqa: E402
+    MultiModalFeatureSpec,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    MultiModalSharedField,
+    PlaceholderRange,
+)
+
+from epdctl.cache import CONNECTOR_NAME  # noqa: E402
+from epdctl.cache.stats import read_stats  # noqa: E402
+from epdctl.cache.store import Store  # noqa: E402
+from epdctl.connector import EpdctlShmECConnector  # noqa: E402
+
+NS = "ns-unit"
+SCHED, WORKER = ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER
+
+
+class Resolver:
+    """Stands in for vLLM's PlaceholderMetadataResolver of a Qwen2-VL-like model."""
+
+    def fields_for(self, modality: str) -> set[str]:
+        return {"image_grid_thw"}
+
+
+def make(
+    root: Path, role: ECConnectorRole, ec_role: str, *, dtype=None, tp: int = 1, rank: int = 0
+) -> EpdctlShmECConnector:
+    cfg = SimpleNamespace(
+        ec_transfer_config=ECTransferConfig(
+            ec_connector=CONNECTOR_NAME,
+            ec_role=ec_role,
+            engine_id=f"t-{ec_role}",
+            ec_connector_extra_config={"store_dir": str(root), "namespace": NS},
+        ),
+        model_config=SimpleNamespace(dtype=dtype or torch.float32),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, prefill_context_parallel_size=1),
+    )
+    conn = EpdctlShmECConnector(cfg, role)  # type: ignore[arg-type]
+    conn._resolver = Resolver()  # type: ignore[assignment]
+    conn._rank = rank  # no torch.distributed here
+    return conn
+
+
+def elem(t: torch.Tensor) -> MultiModalFieldElem:
+    return MultiModalFieldElem(data=t, field=MultiModalSharedField(batch_size=1))
+
+
+def feature(key: str, rows: int, *, media: bool = True) -> MultiModalFeatureSpec:
+    data = {"image_grid_thw": elem(torch.tensor([1, 2, rows // 2]))}
+    if media:
+        data["pixel_values"] = elem(torch.zeros(4, 3))
+    return MultiModalFeatureSpec(
+        data=MultiModalKwargsItem(data),
+        modality="image",
+        identifier=key,
+        mm_position=PlaceholderRange(offset=3, length=rows),
+    )
+
+
+def request(rid: str, *features: MultiModalFeatureSpec) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, mm_features=list(features))
+
+
+def step(sched: EpdctlShmECConnector, worker: EpdctlShmECConnector, cache: dict) -> None:
+    """One engine step's hand-off: metadata pickled as the mp executor does."""
+    meta = pickle.loads(pickle.dumps(sched.build_connector_meta(None)))  # type: ignore[arg-type]
+    worker.bind_connector_metadata(meta)
+    if worker.is_producer:
+        worker.start_save_caches(encoder_cache=cache)
+    if worker.is_consumer:
+        worker.start_load_caches(cache)
+    worker.clear_connector_metadata()
+
+
+def produce(root: Path, key: str, t: torch.Tensor) -> None:
+    make(root, WORKER, "ec_producer").save_caches({key: t}, key)
+
+
+def pins(root: Path) -> list[str]:
+    return os.listdir(root / NS / "pins")
+
+
+def test_e_saves_and_pd_loads_without_encoding(store_root: Path) -> None:
+    t = torch.randn(6, 16)
+    produce(store_root, "img1", t)
+    sched, worker = make(store_root, SCHED, "ec_consumer"), make(store_root, WORKER, "ec_consumer")
+    req = request("r1", feature("img1", 6))
+    assert sched.ensure_cache_available(req, 0) is True
+    assert sched.has_cache_item("img1") is True
+    sched.update_state_after_alloc(req, 0)
+    cache: dict = {}
+    step(sched, worker, cache)
+    assert torch.equal(cache["img1"], t)
+    assert pins(store_root) == []  # the worker dropped its pin after reading
+    assert sched.request_finished(req) == (False, None)
+    sched.shutdown()
+    worker.shutdown()
+    counts, key_hits = read_stats(store_root / NS)
+    assert (counts["hits"], counts["loads"], key_hits["img1"]) == (1, 1, 2)
+
+
+def test_bfloat16_round_trip(store_root: Path) -> None:
+    t = torch.randn(4, 8).to(torch.bfloat16)
+    produce(store_root, "bf", t)
+    sched = make(store_root, SCHED, "ec_consumer", dtype=torch.bfloat16)
+    worker = make(store_root, WORKER, "ec_consumer", dtype=torch.bfloat16)
+    req = request("r", feature("bf", 4))
+    assert sched.ensure_cache_available(req, 0) and sched.has_cache_item("bf")
+    sched.update_state_after_alloc(req, 0)
+    cache: dict = {}
+    step(sched, worker, cache)
+    assert cache["bf"].dtype == torch.bfloat16 and torch.equal(cache["bf"], t)
+
+
+def test_miss_with_media_encodes_locally(store_root: Path) -> None:
+    sched = make(store_root, SCHED, "ec_consumer")
+    req = request("r1", feature("absent", 4))
+    assert sched.ensure_cache_available(req, 0) is True
+    assert sched.has_cache_item("absent") is False
+    assert sched.take_unavailable_requests() == set()
+
+
+@pytest.mark.parametrize("damage", ["missing", "rows", "dtype", "truncated"])
+def test_metadata_only_request_without_a_usable_entry_fails_alone(
+    store_root: Path, damage: str
+) -> None:
+    if damage != "missing":
+        produce(
+            store_root,
+            "k",
+            torch.zeros(
+                5 if damage == "rows" else 4, 8, dtype=torch.float16 if damage == "dtype" else None
+            ),
+        )
+    if damage == "truncated":
+        path = Store(store_root, NS).entry_path("k")
+        os.truncate(path, os.path.getsize(path) - 1)
+    sched = make(store_root, SCHED, "ec_consumer")
+    req = request("r1", feature("k", 4, media=False))
+    assert sched.ensure_cache_available(req, 0) is False
+    assert sched.has_cache_item("k") is False
+    assert sched.take_unavailable_requests() == {"r1"}
+    assert sched.take_unavailable_requests() == set()
+    assert sched.ensure_cache_available(req, 0) is False  # never scheduled before it fails
+    sched.request_finished(req)
+    other = request("r2", feature("k", 4, media=True))
+    assert sched.ensure_cache_available(other, 0) is True and not sched.has_cache_item("k")
+    assert pins(store_root) == []
+
+
+def test_items_already_computed_are_not_pinned(store_root: Path) -> None:
+    produce(store_root, "k", torch.zeros(4, 8))
+    sched = make(store_root, SCHED, "ec_consumer")
+    assert sched.ensure_cache_available(request("r", feature("k", 4)), 3 + 4) is True
+    assert not sched.has_cache_item("k") and pins(store_root) == []
+
+
+def test_unused_pins_are_released_when_the_last_request_finishes(store_root: Path) -> None:
+    produce(store_root, "k", torch.zeros(4, 8))
+    sched = make(store_root, SCHED, "ec_consumer")
+    a, b = request("a", feature("k", 4)), request("b", feature("k", 4))
+    assert sched.ensure_cache_available(a, 0) and sched.ensure_cache_available(b, 0)
+    assert len(pins(store_root)) == 1  # one pin per item, shared by both requests
+    sched.request_finished(a)
+    assert sched.has_cache_item("k") and len(pins(store_root)) == 1
+    sched.request_finished(b)
+    assert not sched.has_cache_item("k") and pins(store_root) == []
+
+
+def test_tensor_parallel_ranks_each_read_their_own_pin(store_root: Path) -> None:
+    t = torch.randn(4, 8)
+    produce(store_root, "k", t)
+    sched = make(store_root, SCHED, "ec_consumer", tp=2)
+    req = request("r", feature("k", 4))
+    assert sched.ensure_cache_available(req, 0)
+    assert len(pins(store_root)) == 2
+    sched.update_state_after_alloc(req, 0)
+    meta = pickle.dumps(sched.build_connector_meta(None))  # type: ignore[arg-type]
+    Store(store_root, NS).entry_path("k")
+    os.unlink(Store(store_root, NS).entry_path("k"))  # evicted after the pins were taken
+    for rank in (1, 0):
+        worker = make(store_root, WORKER, "ec_consumer", tp=2, rank=rank)
+        worker.bind_connector_metadata(pickle.loads(meta))
+        cache: dict = {}
+        worker.start_load_caches(cache)
+        assert torch.equal(cache["k"], t)
+    assert pins(store_root) == []
+
+
+def test_a_vanished_pin_falls_back_then_never_raises(store_root: Path) -> None:
+    t = torch.randn(4, 8)
+    produce(store_root, "k", t)
+    sched, worker = make(store_root, SCHED, "ec_consumer"), make(store_root, WORKER, "ec_consumer")
+    req = request("r", feature("k", 4))
+    for remove_entry in (False, True):
+        assert sched.ensure_cache_available(req, 0)
+        sched.update_state_after_alloc(req, 0)
+        for pin in pins(store_root):
+            os.unlink(store_root / NS / "pins" / pin)
+        if remove_entry:
+            os.unlink(Store(store_root, NS).entry_path("k"))
+        cache: dict = {}
+        step(sched, worker, cache)
+        assert ("k" in cache) is not remove_entry
+    worker.shutdown()
+    assert read_stats(store_root / NS)[0]["load_failures"] == 1
+
+
+def test_producer_reports_committed_items_and_republishes_cache_hits(store_root: Path) -> None:
+    sched, worker = make(store_root, SCHED, "ec_producer"), make(store_root, WORKER, "ec_producer")
+    saved, cached = torch.randn(4, 8), torch.randn(6, 8)
+    req = request("r", feature("saved", 4), feature("cached", 6), feature("lost", 4))
+    assert sched.ensure_cache_available(req, 0) is True
+    assert sched.has_cache_item("saved") is False  # E always encodes
+    encoder_cache = {"cached": cached}  # a hit in E's own encoder cache from an earlier request
+    step(sched, worker, encoder_cache)  # start_save_caches republishes it
+    worker.save_caches({"saved": saved}, "saved")  # freshly encoded this step
+    done, items = sched.request_finished(req)
+    assert done is False and items is not None
+    assert items["saved"] == {"item_indices": [0], "metadata": {"image_grid_thw": [1, 2, 2]}}
+    assert items["cached"]["metadata"] == {"image_grid_thw": [1, 2, 3]}
+    assert items["lost"] == {"item_indices": [2], "metadata": {}}  # never saved: keep media
+
+
+def test_producer_touches_entries_it_answers_from(store_root: Path) -> None:
+    produce(store_root, "k", torch.zeros(4, 8))
+    path = Store(store_root, NS).entry_path("k")
+    os.utime(path, (1, 1))
+    sched = make(store_root, SCHED, "ec_producer")
+    sched.ensure_cache_available(request("r", feature("k", 4)), 0)
+    assert os.stat(path).st_mtime > 1
+    assert sched.build_connector_meta(None).republish == []  # type: ignore[arg-type,attr-defined]
+
+
+def test_saves_only_on_a_producer_rank_zero_and_never_raise(
+    store_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = {"k": torch.zeros(4, 8)}
+    make(store_root, WORKER, "ec_consumer").save_caches(t, "k")  # V1 calls it in every role
+    make(store_root, WORKER, "ec_producer", tp=2, rank=1).save_caches(t, "k")
+    assert not Store(store_root, NS).has_entry("k")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    producer = make(store_root, WORKER, "ec_producer")
+    monkeypatch.setattr(Store, "publish", full)
+    producer.save_caches(t, "k")
+    producer.shutdown()
+    assert read_stats(store_root / NS)[0]["save_failures"] == 1
+
+
+def test_metadata_objects_are_not_reused(store_root: Path) -> None:
+    produce(store_root, "k", torch.zeros(4, 8))
+    sched = make(store_root, SCHED, "ec_consumer")
+    req = request("r", feature("k", 4))
+    sched.ensure_cache_available(req, 0)
+    sched.update_state_after_alloc(req, 0)
+    first = sched.build_connector_meta(None)  # type: ignore[arg-type]
+    second = sched.build_connector_meta(None)  # type: ignore[arg-type]
+    assert first is not second and len(first.loads) == 1 and second.loads == []  # type: ignore[attr-defined]
+    assert sched.has_pending_push_work() is False

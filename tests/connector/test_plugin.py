@@ -1,0 +1,48 @@
+"""What vLLM's processes import: the connector module and the general plugin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+
+def run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def test_importing_the_connector_loads_no_cli_libraries_and_touches_nothing() -> None:
+    code = (
+        "import os, sys\n"
+        "before = set(os.listdir('/dev/shm'))\n"
+        "import epdctl.connector, epdctl.connector.plugin\n"
+        "import torch\n"
+        "bad = {'click', 'rich', 'httpx', 'epdctl.topology', 'epdctl.cli'} & set(sys.modules)\n"
+        "new = set(os.listdir('/dev/shm')) - before\n"
+        "print(sorted(bad), torch.cuda.is_initialized(), 'vllm' in sys.modules,\n"
+        "      sorted(n for n in new if n.startswith('epdctl')))\n"
+    )
+    assert run(code) == "[] False True []"
+
+
+def test_register_is_idempotent_and_resolves_the_class() -> None:
+    code = (
+        "from epdctl.connector.plugin import register\n"
+        "register(); register()\n"
+        "from vllm.config import ECTransferConfig\n"
+        "from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory\n"
+        "cfg = ECTransferConfig(ec_connector='EpdctlShmECConnector', ec_role='ec_consumer')\n"
+        "print(ECConnectorFactory.get_connector_class(cfg).__qualname__)\n"
+    )
+    assert run(code) == "EpdctlShmECConnector"
+
+
+def test_the_entry_point_is_installed() -> None:
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "epdctl_ec"]
+    assert ep.value == "epdctl.connector.plugin:register"
