@@ -179,13 +179,13 @@ def _llava(out: Path) -> None:
         tie_word_embeddings=False,
     )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_id=ids("<image>"),
+        vision_config=vision, text_config=text, image_token_index=ids("<image>"),
         vision_feature_select_strategy="default", vision_feature_layer=-2,
         projector_hidden_act="gelu", tie_word_embeddings=False,
     )
     config.dtype = torch.float32
     torch.manual_seed(SEED)
-    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model = LlavaForConditionalGeneration(config).float()
     _init_weights(model)
     _write_config(config, out, "LlavaForConditionalGeneration")
     # transformers 5 writes vision_tower.embeddings.*; vLLM's loader wants vision_model.*.
@@ -235,7 +235,7 @@ def _qwen2vl(out: Path) -> None:
     )
     config.dtype = torch.float32
     torch.manual_seed(SEED)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model = Qwen2VLForConditionalGeneration(config).float()
     _init_weights(model)
     _write_config(config, out, "Qwen2VLForConditionalGeneration")
     _save_weights(model, out)
