@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# Under `vllm.`: vLLM configures only its own logger tree (handler, VLLM_LOGGING_LEVEL).
+logger = init_logger(f"vllm.{__name__}")
 
 DEFAULT_STORE_DIR = "/dev/shm/epdctl"
 
