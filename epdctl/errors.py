@@ -33,6 +33,10 @@ class CacheError(EpdctlError):
     """The EC store cannot be used (missing, too small, not writable)."""
 
 
+class VerifyError(EpdctlError):
+    """`verify`: an answer differs from the baseline's, or P/PD did not load from the EC store."""
+
+
 class StartupError(EpdctlError):
     """An instance exited or missed its ready deadline while starting."""
 

@@ -1,11 +1,171 @@
-"""Placeholder: replaced by the real `verify` command."""
+"""`epdctl verify`: the topology's answers equal an aggregated baseline's, with EC cache hits."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 import click
+from rich.table import Table
+from rich.text import Text
+
+from epdctl.cli._app import App, pass_app
+
+if TYPE_CHECKING:
+    from epdctl.launcher import Proc
+    from epdctl.plan import LaunchSpec
+    from epdctl.state import StateDir
+    from epdctl.topology import Topology
+    from epdctl.verify import Result
+
+
+def _specs(app: App, topology: Topology, sdir: StateDir) -> list[LaunchSpec]:
+    """The running (else the planned) instances: the baseline mirrors the PD/prefill one."""
+    from epdctl.cli.up import make_plan
+
+    if sdir.is_running():
+        return [s.spec() for s in sdir.read().specs]
+    return list(make_plan(app, topology).specs)
+
+
+def _up(app: App, topology_path: Path, timeout_s: float) -> None:
+    """`epdctl up -d`, its summary on stderr: stdout is for the report."""
+    from epdctl.cli.up import up
+
+    ctx = click.get_current_context()
+    quiet = dataclasses.replace(app)
+    quiet.out = app.err
+    sub = click.Context(ctx.command, parent=ctx, obj=quiet)
+    sub.invoke(up, topology_path=topology_path, is_detached=True, timeout_s=timeout_s)
+
+
+def _check_running(sdir: StateDir) -> None:
+    from epdctl.errors import NotRunningError
+    from epdctl.launcher import probe
+
+    state = sdir.read()
+    late = [s.name for s in state.specs if probe(s.health_url) != 200]
+    if state.phase != "running" or late:
+        why = ", ".join(late) or state.phase
+        raise NotRunningError(f"`{state.name}` is running but not ready ({why}); "
+                              f"see `epdctl status --name {state.name}`")
+
+
+def _stop_topology(app: App, sdir: StateDir) -> None:
+    from epdctl.launcher import stop_run
+
+    state = sdir.read()
+    app.err.print(f"Stopping {state.name} (verify started it; --keep leaves it running)",
+                  markup=False)
+    stop_run(sdir, state)
+    sdir.finish(state)
+
+
+def _table(results: list[Result]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("PROMPT", "OUTPUT", "EC CACHE", "TOPOLOGY", "BASELINE"):
+        table.add_column(column, no_wrap=True)
+    for r in results:
+        output = Text("equal", "green") if r.is_equal else Text(
+            "error" if r.topology.error or r.baseline.error else "DIFFERENT", "red")
+        cache = Text("-") if r.cache is None else Text(
+            f"{'hit' if r.cache.is_hit else 'MISS'} {r.cache.hits}/{r.cache.keys}",
+            "green" if r.cache.is_hit else "red")
+        table.add_row(Text(r.prompt.name), output, cache,
+                      *(Text(f"{a.latency_s * 1000:.0f} ms") for a in (r.topology, r.baseline)))
+    return table
+
+
+def _details(results: list[Result]) -> Text:
+    text = Text()
+    for r in results:
+        if not r.is_equal:
+            for who, a in (("topology", r.topology), ("baseline", r.baseline)):
+                said = f"error: {a.error}" if a.error else repr(a.text)
+                text.append(f"{r.prompt.name}: {who} {said}\n")
+    return text
 
 
 @click.command()
-def verify() -> None:
-    """Not built yet"""
-    raise click.ClickException("not built yet")
+@click.argument("topology_path", metavar="TOPOLOGY", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
+@click.option("--baseline-url", "baseline_url", metavar="URL",
+              help="An aggregated server of the same model to compare with; default: start one "
+              "like the PD/prefill instance, without EC/KV transfer (device: cpu).")
+@click.option("--baseline-gpus", "baseline_gpus", metavar="LIST",
+              help="device: cuda: free GPUs (e.g. 6,7) to start the baseline on.")
+@click.option("--keep", "should_keep", is_flag=True,
+              help="Leave the topology running when verify started it.")
+@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
+              help="Seconds the topology and the baseline get to become ready.")
+@pass_app
+def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | None,
+           baseline_gpus: str | None, should_keep: bool, timeout_s: float) -> None:
+    """Check a topology's answers against an aggregated baseline, with EC cache hits"""
+    from epdctl import baseline as base
+    from epdctl.cli._render import proxy_url
+    from epdctl.errors import VerifyError
+    from epdctl.launcher import stop_all
+    from epdctl.state import StateDir
+    from epdctl.topology import load_topology
+    from epdctl.verify import Target, report, run_prompts
+
+    topology = load_topology(topology_path)
+    sdir = StateDir(app.state_dir(topology.name))
+    deadline = time.monotonic() + timeout_s
+    # A given baseline is checked before anything starts.
+    model = base.first_model(baseline_url) if baseline_url else None
+    baseline: tuple[LaunchSpec, Proc] | None = None
+    is_started = False
+    try:
+        if baseline_url is None:
+            baseline = base.start(_specs(app, topology, sdir), topology.device, sdir.path,
+                                  baseline_gpus)
+            app.err.print(f"Starting the baseline on port {baseline[0].port} "
+                          f"(log {baseline[0].log_path})", markup=False)
+        if sdir.is_running():
+            _check_running(sdir)
+            app.err.print(f"{topology.name} is running already: verifying it", markup=False)
+        else:
+            _up(app, topology_path, timeout_s)
+            is_started = True
+        state = sdir.read()
+        if baseline is not None:
+            base.wait_ready(*baseline, deadline, timeout_s)
+            baseline_url = baseline[0].url
+        assert baseline_url is not None
+        key = state.proxy.env.get("EPDCTL_PROXY_API_KEY")
+        mine = Target(proxy_url(state), state.model_name,
+                      {"authorization": f"Bearer {key}"} if key else {})
+        theirs = Target(baseline_url, model or base.first_model(baseline_url))
+        ns_dir = Path(state.store_dir) if "encode" in topology.roles else None
+        app.err.print(f"Sending the prompts to {mine.url} and {theirs.url}", markup=False)
+        results = run_prompts(mine, theirs, ns_dir, on_result=lambda r: app.err.print(
+            f"  {r.prompt.name}: {'ok' if r.is_ok else 'FAILED'}", markup=False))
+    finally:
+        if baseline is not None:
+            stop_all([baseline[1]])
+        if is_started and not should_keep:
+            _stop_topology(app, sdir)
+    meta: dict[str, Any] = {
+        "name": state.name, "mode": state.mode, "model": state.model_name,
+        "proxy_url": mine.url, "started_topology": is_started,
+        "kept": is_started and should_keep,
+        "baseline": {"url": theirs.url, "model": theirs.model,
+                     "pid": baseline[1].pid if baseline else None,
+                     "log": str(baseline[0].log_path) if baseline else None},
+    }
+    doc = report(results, **meta)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        app.out.print(_table(results))
+        app.out.print(_details(results), end="")
+    bad = [r.prompt.name for r in results if not r.is_ok]
+    if bad:
+        raise VerifyError(f"{len(bad)} of {len(results)} prompts failed: {', '.join(bad)}")
+    app.err.print(f"{len(results)} prompts: equal to the baseline"
+                  + (", every image loaded from the EC store" if ns_dir else ""), markup=False)

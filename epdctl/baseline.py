@@ -1,0 +1,101 @@
+"""The aggregated baseline `verify` compares with: a twin of the PD/prefill instance."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from epdctl.errors import EpdctlError, StartupError
+from epdctl.launcher import Proc, describe_failure, exit_text, probe, spawn
+from epdctl.plan import LaunchSpec
+
+NAME = "verify-baseline"
+# Transfer configs make an instance a disaggregated one; the baseline runs without them.
+TRANSFER_FLAGS = ("--ec-transfer-config", "--kv-transfer-config")
+NOT_FOR_BASELINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)
+
+
+def free_port(avoid: Sequence[int] = ()) -> int:
+    """A TCP port that is free now (the OS picks it) and not one of `avoid`."""
+    import socket
+
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in avoid:
+            return port
+
+
+def first_model(base_url: str, headers: Mapping[str, str] | None = None) -> str:
+    """The first model a server lists (a baseline may serve the model under its path)."""
+    import httpx
+
+    try:
+        reply = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=dict(headers or {}),
+                          timeout=10.0)
+        reply.raise_for_status()
+        return str(reply.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise EpdctlError(f"cannot list the models of {base_url}: {exc}") from None
+
+
+def baseline_spec(
+    spec: LaunchSpec, port: int, log_path: Path, gpus: Sequence[str] | None = None
+) -> LaunchSpec:
+    """An aggregated twin of a PD/prefill instance: same argv and env, no EC/KV transfer."""
+    argv: list[str] = []
+    args = iter(spec.argv)
+    for arg in args:
+        name = arg.partition("=")[0]
+        if name in TRANSFER_FLAGS:
+            if "=" not in arg:
+                next(args, None)
+            continue
+        if name == "--port":
+            if "=" not in arg:
+                next(args, None)
+            argv += ["--port", str(port)]
+            continue
+        argv.append(arg)
+    env = {k: v for k, v in spec.env.items() if k not in NOT_FOR_BASELINE_ENV}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    return replace(spec, name=NAME, role="baseline", argv=tuple(argv), env=env,
+                   port=port, log_path=log_path, health_url=f"http://127.0.0.1:{port}/health",
+                   gpus=tuple(gpus or ()), side_channel_port=None, start_after=())
+
+
+def start(specs: Sequence[LaunchSpec], device: str, run_dir: Path,
+          gpus: str | None = None) -> tuple[LaunchSpec, Proc]:
+    """Spawn the twin of the first PD/prefill spec on a free port; log under run_dir/logs."""
+    pd = next(s for s in specs if s.role in ("prefill_decode", "prefill"))
+    devices = None
+    if device == "cuda":
+        if gpus is None:
+            # The topology usually holds every GPU it was given; where a baseline fits is
+            # the user's call.
+            raise EpdctlError("on `device: cuda` verify needs --baseline-url URL (a server of "
+                              "the same model without EC/KV transfer) or --baseline-gpus LIST "
+                              "(free GPUs to start one on)")
+        devices = [g.strip() for g in gpus.split(",") if g.strip()]
+        if len(devices) != len(pd.gpus):
+            raise EpdctlError(f"--baseline-gpus: `{pd.name}` runs on {len(pd.gpus)} GPU(s); "
+                              f"give as many, not {len(devices)}")
+    port = free_port([s.port for s in specs])
+    spec = baseline_spec(pd, port, run_dir / "logs" / f"{NAME}.log", devices)
+    return spec, spawn(spec, run_dir)
+
+
+def wait_ready(spec: LaunchSpec, proc: Proc, deadline: float, timeout_s: float) -> None:
+    """Until /health answers 200; StartupError (with the log tail) on exit or deadline."""
+    while probe(spec.health_url) != 200:
+        code = proc.popen.poll() if proc.popen is not None else None
+        if code is not None:
+            raise StartupError(describe_failure(spec.name, exit_text(code), spec.log_path, code))
+        if time.monotonic() > deadline:
+            what = f"was not ready within {timeout_s:g}s"
+            raise StartupError(describe_failure(spec.name, what, spec.log_path))
+        time.sleep(0.5)

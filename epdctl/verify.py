@@ -1,0 +1,243 @@
+"""`epdctl verify` core: fixed prompts against a topology and a baseline, compared and timed."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAX_TOKENS = 16
+REQUEST_TIMEOUT_S = 300.0
+# The consumer's stats writer flushes at most once a second, so a hit can show up that late.
+STATS_WAIT_S = 3.0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request of the fixed set: text, the seeds of its generated images, streamed or not."""
+
+    name: str
+    text: str
+    images: tuple[int, ...] = ()
+    is_streamed: bool = False
+
+
+PROMPTS: tuple[Prompt, ...] = (
+    Prompt("text only", "Write one sentence about the sea."),
+    Prompt("one image", "What is in the image?", (1,)),
+    Prompt("two images", "What differs between these two images?", (2, 3)),
+    Prompt("same image twice", "Are these two images the same?", (4, 4)),
+    # The first image again: E already saved it, so PD's load is a cache hit by construction.
+    Prompt("repeated image", "What is in the image?", (1,)),
+    Prompt("repeated image, streamed", "What is in the image?", (1,), is_streamed=True),
+)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one server said (or why it said nothing), and how long it took."""
+
+    text: str | None
+    latency_s: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """EC store counter deltas while one prompt ran (summed over the consumers)."""
+
+    keys: int
+    """Distinct media items the prompt sent."""
+    hits: int
+    """Of those, how many a consumer loaded from the store."""
+    misses: int = 0
+    saves: int = 0
+
+    @property
+    def is_hit(self) -> bool:
+        return self.keys > 0 and self.hits == self.keys and self.misses == 0
+
+
+@dataclass(frozen=True)
+class Result:
+    prompt: Prompt
+    topology: Answer
+    baseline: Answer
+    cache: CacheUse | None = None
+    """None when the prompt has no media or the topology has no encoder."""
+
+    @property
+    def is_equal(self) -> bool:
+        a, b = self.topology, self.baseline
+        return a.error is None and b.error is None and a.text == b.text
+
+    @property
+    def is_ok(self) -> bool:
+        return self.is_equal and (self.cache is None or self.cache.is_hit)
+
+
+def png(seed: int, size: int = 56) -> bytes:
+    """A small deterministic RGB gradient PNG (stdlib only); each seed gives another image."""
+    rows = bytearray()
+    for y in range(size):
+        rows.append(0)  # filter type 0 for each scanline
+        for x in range(size):
+            rows += bytes(((x * 7 + seed * 53) % 256, (y * 5 + seed * 31) % 256,
+                           (x * y + seed * 97) % 256))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(bytes(rows))) + chunk(b"IEND", b""))
+
+
+def chat_body(prompt: Prompt, model: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """The chat completion request for a prompt, at temperature 0."""
+    import base64
+
+    content: str | list[dict[str, Any]] = prompt.text
+    if prompt.images:
+        content = [
+            {"type": "image_url",
+             "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(s)).decode()}}
+            for s in prompt.images
+        ]
+        content.append({"type": "text", "text": prompt.text})
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}],
+                            "max_tokens": max_tokens, "temperature": 0.0}
+    if prompt.is_streamed:
+        body["stream"] = True
+    return body
+
+
+def media_keys(prompt: Prompt) -> set[str]:
+    """The EC store keys the proxy gives this prompt's images (content hashes)."""
+    from epdctl.proxy.media import content_key
+
+    return {content_key("image", png(seed)) for seed in prompt.images}
+
+
+Send = Callable[[str, dict[str, Any], Mapping[str, str]], Answer]
+
+
+def send(base_url: str, body: dict[str, Any], headers: Mapping[str, str]) -> Answer:
+    """POST /v1/chat/completions; the answer's text (joined deltas when streamed)."""
+    import httpx
+
+    start = time.perf_counter()
+    url = f"{base_url.rstrip('/')}/v1/chat/completions"
+    try:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+            if not body.get("stream"):
+                reply = client.post(url, json=body, headers=dict(headers))
+                if reply.status_code != 200:
+                    return Answer(None, time.perf_counter() - start, _http_error(reply))
+                text = reply.json()["choices"][0]["message"]["content"] or ""
+                return Answer(text, time.perf_counter() - start)
+            with client.stream("POST", url, json=body, headers=dict(headers)) as reply:
+                if reply.status_code != 200:
+                    reply.read()
+                    return Answer(None, time.perf_counter() - start, _http_error(reply))
+                text = "".join(_deltas(reply.iter_lines()))
+            return Answer(text, time.perf_counter() - start)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        return Answer(None, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+
+
+def _http_error(reply: Any) -> str:
+    return f"HTTP {reply.status_code}: {reply.text[:300]}"
+
+
+def _deltas(lines: Any) -> Any:
+    for line in lines:
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        for choice in json.loads(line[5:])["choices"]:
+            yield (choice.get("delta") or {}).get("content") or ""
+
+
+@dataclass
+class StoreCounters:
+    """Summed counters and per-key hits of one EC namespace at one moment."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    key_hits: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def read(cls, ns_dir: Path) -> StoreCounters:
+        from epdctl.cache.stats import read_stats
+
+        counts, key_hits = read_stats(ns_dir)
+        return cls(counts, key_hits)
+
+
+def cache_use(
+    ns_dir: Path, before: StoreCounters, keys: set[str], *, timeout_s: float = STATS_WAIT_S,
+    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+) -> CacheUse:
+    """Wait (briefly) until every key was loaded or a miss was counted; the deltas."""
+    deadline = clock() + timeout_s
+    while True:
+        now = StoreCounters.read(ns_dir)
+        hits = sum(1 for k in keys if now.key_hits[k] > before.key_hits[k])
+        misses = now.counts["misses"] - before.counts["misses"]
+        if hits == len(keys) or misses > 0 or clock() >= deadline:
+            return CacheUse(keys=len(keys), hits=hits, misses=int(misses),
+                            saves=int(now.counts["saves"] - before.counts["saves"]))
+        sleep(0.1)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where to send a prompt: base URL, model name, headers."""
+
+    url: str
+    model: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def run_prompts(
+    topology: Target, baseline: Target, ns_dir: Path | None,
+    prompts: Sequence[Prompt] = PROMPTS, *, send: Send = send,
+    on_result: Callable[[Result], None] = lambda r: None,
+) -> list[Result]:
+    """Each prompt to the topology, then to the baseline; with the store's deltas if ns_dir."""
+    results = []
+    for prompt in prompts:
+        keys = media_keys(prompt) if ns_dir is not None and prompt.images else set()
+        before = StoreCounters.read(ns_dir) if keys and ns_dir is not None else None
+        mine = send(topology.url, chat_body(prompt, topology.model), topology.headers)
+        theirs = send(baseline.url, chat_body(prompt, baseline.model), baseline.headers)
+        use = None
+        if before is not None and ns_dir is not None:
+            use = cache_use(ns_dir, before, keys)
+        result = Result(prompt, mine, theirs, use)
+        on_result(result)
+        results.append(result)
+    return results
+
+
+def report(results: Sequence[Result], **meta: Any) -> dict[str, Any]:
+    """The `verify --json` document (stable keys)."""
+
+    def answer(a: Answer) -> dict[str, Any]:
+        return {"text": a.text, "latency_s": round(a.latency_s, 4), "error": a.error}
+
+    rows = [{
+        "name": r.prompt.name, "images": len(r.prompt.images), "stream": r.prompt.is_streamed,
+        "equal": r.is_equal, "ok": r.is_ok,
+        "cache": None if r.cache is None else {
+            "hit": r.cache.is_hit, "keys": r.cache.keys, "hits": r.cache.hits,
+            "misses": r.cache.misses, "saves": r.cache.saves},
+        "topology": answer(r.topology), "baseline": answer(r.baseline),
+    } for r in results]
+    return {**meta, "ok": bool(results) and all(r.is_ok for r in results), "prompts": rows}
