@@ -55,7 +55,8 @@ class StatsWriter:
         body = json.dumps({**self.snapshot(), "updated": time.time()}).encode()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Not parents=True: a namespace removed by `down` or `clean` stays removed.
+            self.path.parent.mkdir(exist_ok=True)
             tmp.write_bytes(body)
             os.replace(tmp, self.path)
         except OSError:

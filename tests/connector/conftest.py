@@ -16,4 +16,8 @@ def store_root() -> Iterator[Path]:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = Path(tempfile.mkdtemp(prefix="epdctl-test-", dir=base))
     yield root
+    # Connectors flush stats from a thread; shut them down before removing their store.
+    from tests.connector.test_ec import shutdown_all
+
+    shutdown_all()
     shutil.rmtree(root, ignore_errors=True)

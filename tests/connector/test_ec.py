@@ -52,9 +52,18 @@ def make(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, prefill_context_parallel_size=1),
     )
     conn = EpdctlShmECConnector(cfg, role)  # type: ignore[arg-type]
+    _made.append(conn)
     conn._resolver = Resolver()  # type: ignore[assignment]
     conn._rank = rank  # no torch.distributed here
     return conn
+
+
+_made: list[EpdctlShmECConnector] = []
+
+
+def shutdown_all() -> None:
+    while _made:
+        _made.pop().shutdown()
 
 
 def elem(t: torch.Tensor) -> MultiModalFieldElem:
