@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epdctl.cache import _recycle
 from epdctl.cache._scan import Entry, listdir, namespace_dirs, scan_entries
 from epdctl.cache.store import ENTRIES, PINS, TMP
 
@@ -26,7 +27,8 @@ class Removed:
     namespace: str
     path: str
     size_bytes: int
-    reason: str  # ttl, budget, namespace, all, older-than, stale-pin, orphan-tmp, empty-namespace
+    # ttl, budget, namespace, all, older-than, stale-pin, orphan-tmp, pooled, empty-namespace
+    reason: str
 
 
 @dataclass
@@ -79,6 +81,7 @@ def enforce(
         pin_ttl_s=pin_ttl_s,
         drop_empty=is_foreign,
         dry_run=False,
+        recycle=True,
     )
 
 
@@ -117,6 +120,7 @@ def clean(
         pin_ttl_s=pin_ttl_s,
         drop_empty=lambda ns: all and ns not in keep_namespaces,
         dry_run=dry_run,
+        recycle=False,
     )
 
 
@@ -131,6 +135,7 @@ def _sweep(
     pin_ttl_s: float,
     drop_empty: Callable[[str], bool],
     dry_run: bool,
+    recycle: bool,
 ) -> EvictionReport:
     report = EvictionReport(dry_run=dry_run)
     ns_dirs = [d for d in namespace_dirs(root) if namespaces is None or d.name in namespaces]
@@ -155,10 +160,16 @@ def _sweep(
                 doomed[e.path] = "budget"
                 total -= e.size
     for e in entries:
-        if e.path in doomed and _remove_entry(e, dry_run):
+        if e.path in doomed and _remove_entry(e, dry_run, recycle):
             report.removed.append(Removed(e.namespace, e.path, e.size, doomed[e.path]))
     report.bytes_after = report.bytes_before - report.freed_bytes
     for d in ns_dirs:
+        # Pooled files are memory too: dropped by `clean`, when stale, and past an eighth
+        # of the budget (so the store holds at most 1.125 x capacity).
+        if not recycle:
+            report.removed.extend(_pooled(d, dry_run))
+        else:
+            _recycle.expire(d / _recycle.FREE, now, max_bytes=(budget_bytes or 0) // 8)
         report.removed.extend(_stale_pins(d, now, pin_ttl_s, dry_run))
         report.removed.extend(_orphan_tmp(d, now, dry_run))
         if drop_empty(d.name) and _is_empty(d, doomed, report, dry_run):
@@ -218,7 +229,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_entry(e: Entry, dry_run: bool) -> bool:
+def _pooled(ns_dir: Path, dry_run: bool) -> Iterator[Removed]:
+    for path in listdir(ns_dir / _recycle.FREE):
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            continue
+        if _remove(path, dry_run):
+            yield Removed(ns_dir.name, path, size, "pooled")
+
+
+def _remove_entry(e: Entry, dry_run: bool, recycle: bool = False) -> bool:
     """Unlink an entry unless it was pinned, touched or republished since the scan."""
     try:
         st = os.stat(e.path)
@@ -226,7 +247,14 @@ def _remove_entry(e: Entry, dry_run: bool) -> bool:
         return False
     if (st.st_ino, st.st_mtime, st.st_nlink) != (e.ino, e.mtime, 1):
         return False
-    # A pin taken between this stat and the unlink keeps the inode: the reader is safe.
+    # A pin taken between this stat and the unlink keeps the inode: the reader is safe
+    # (and retire() sees its link and keeps the file out of the pool).
+    if (
+        recycle
+        and not dry_run
+        and _recycle.retire(e.path, Path(e.path).parent.parent / _recycle.FREE)
+    ):
+        return True
     return _remove(e.path, dry_run)
 
 

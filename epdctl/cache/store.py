@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from epdctl.cache import _recycle
 from epdctl.cache._format import (
     ENTRY_SUFFIX,
     PAGE_BYTES,
@@ -60,10 +61,11 @@ class Store:
         self.entries = self.root / ENTRIES
         self.pins = self.root / PINS
         self.tmp = self.root / TMP
+        self.free = self.root / _recycle.FREE
 
     def create(self) -> Store:
         """Create the namespace's directories (idempotent)."""
-        for path in (self.entries, self.pins, self.tmp, self.root / STATS):
+        for path in (self.entries, self.pins, self.tmp, self.free, self.root / STATS):
             path.mkdir(parents=True, exist_ok=True)
         return self
 
@@ -89,26 +91,35 @@ class Store:
             raise ValueError(f"{view.nbytes} bytes given for {dtype}{list(shape)}")
         name = key_filename(key)
         tmp = f"{self.tmp}/{name}.{os.getpid()}.{secrets.token_hex(4)}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:
-            self.create()
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        total = len(header) + view.nbytes
+        fd = _recycle.claim(self.free, tmp, total)
+        if fd is None:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:
+                self.create()
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, header)
             _write_all(fd, view)
+            if os.fstat(fd).st_size != total:
+                os.ftruncate(fd, total)  # a recycled file was larger
         except BaseException:
             os.close(fd)
             _unlink(tmp)
             raise
         os.close(fd)
+        entry = f"{self.entries}/{name}{ENTRY_SUFFIX}"
+        aside = _recycle.keep_aside(entry, self.free)
         # No fsync: tmpfs has nothing to flush, and rename is atomic; two writers of
         # one key both finish and the last rename wins.
         try:
-            os.rename(tmp, f"{self.entries}/{name}{ENTRY_SUFFIX}")
+            os.rename(tmp, entry)
         except BaseException:
             _unlink(tmp)
             raise
+        finally:
+            _recycle.settle(aside)
         return view.nbytes
 
     def pin(
@@ -146,6 +157,19 @@ class Store:
             unpin(paths)
             return Miss(f"pin failed: {exc.strerror}")
         return Pin(paths, reason)
+
+    def renew(self, pin: Pin) -> Pin:
+        """The same pin under fresh names, so the janitor's pin TTL starts again."""
+        created = time.time_ns()
+        paths = tuple(f"{p.rsplit('.', 1)[0]}.{created}" for p in pin.paths)
+        try:
+            for old, new in zip(pin.paths, paths, strict=True):
+                os.link(old, new)
+        except OSError:
+            unpin(paths)
+            return pin  # keep the old names; they are still valid until the pin TTL
+        unpin(pin.paths)
+        return Pin(paths, pin.header)
 
     def _link(self, src: str, dst: str) -> None:
         try:

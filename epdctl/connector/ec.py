@@ -34,12 +34,14 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 DEFAULT_STORE_DIR = "/dev/shm/epdctl"
+# Held pins get fresh names after this long, well inside the janitor's PIN_TTL_S.
+PIN_RENEW_S = 120.0
 
 
 @dataclass(frozen=True)
 class _Load:
     mm_hash: str
-    paths: tuple[str, ...]  # one pin per loading rank, then the entry itself
+    paths: tuple[str, ...]  # one pin per loading rank
     header: EntryHeader
 
 
@@ -55,6 +57,7 @@ class EpdctlECMetadata(ECConnectorMetadata):
 class _Held:
     pin: Pin
     requests: set[str]
+    pinned_at: float = field(default_factory=time.monotonic)
 
 
 class EpdctlShmECConnector(ECConnectorBase):
@@ -119,6 +122,9 @@ class EpdctlShmECConnector(ECConnectorBase):
                 continue
             if (held := self._pins.get(key)) is not None:
                 held.requests.add(rid)
+                if time.monotonic() - held.pinned_at > PIN_RENEW_S:
+                    # A request can wait long for KV space; stay clear of the janitor's TTL.
+                    held.pin, held.pinned_at = self._store.renew(held.pin), time.monotonic()
                 continue
             result = self._store.pin(
                 key,
@@ -173,8 +179,7 @@ class EpdctlShmECConnector(ECConnectorBase):
         key = request.mm_features[index].identifier
         held = self._pins.pop(key, None)
         if held is not None:
-            paths = (*held.pin.paths, self._store.entry_path(key))
-            self._meta.loads.append(_Load(key, paths, held.pin.header))
+            self._meta.loads.append(_Load(key, held.pin.paths, held.pin.header))
 
     @override
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
@@ -250,7 +255,9 @@ class EpdctlShmECConnector(ECConnectorBase):
         todo = [load for load in meta.loads if load.mm_hash not in encoder_cache]
         start = time.perf_counter()
         tensors = _io.load_tensors(
-            [(_read_paths(load, rank), load.header) for load in todo], self._device(), self._host()
+            [(load.paths[rank : rank + 1], load.header) for load in todo],
+            self._device(),
+            self._host(),
         )
         elapsed = time.perf_counter() - start
         for load, tensor in zip(todo, tensors, strict=True):
@@ -259,12 +266,11 @@ class EpdctlShmECConnector(ECConnectorBase):
                 self._stat(load.mm_hash, loads=1, load_bytes=load.header.nbytes, load_s=elapsed)
                 logger.debug("Success load encoder cache for hash %s", load.mm_hash)
             else:
-                # Only a pin removed by hand gets here; vLLM then reports the cache miss.
+                # Only a pin removed by hand gets here (never the entry's own name: its
+                # file may be recycled); vLLM then reports the cache miss.
                 logger.error("EC store: could not load %s: %s", load.mm_hash, tensor)
                 self._stat(load_failures=1)
-        for load in meta.loads:
-            if rank < len(load.paths) - 1:
-                unpin([load.paths[rank]])
+        unpin([load.paths[rank] for load in meta.loads if rank < len(load.paths)])
 
     def _worker_rank(self) -> int:
         if self._rank is None:
@@ -298,12 +304,6 @@ class EpdctlShmECConnector(ECConnectorBase):
         self._pins.clear()
         if self._stats is not None:
             self._stats.close()
-
-
-def _read_paths(load: _Load, rank: int) -> tuple[str, ...]:
-    """This rank's pin, then the entry's own name in case the pin was removed by hand."""
-    pins, entry = load.paths[:-1], load.paths[-1]
-    return (pins[rank], entry) if rank < len(pins) else (entry,)
 
 
 def _has_model_input(feature: MultiModalFeatureSpec, metadata_fields: set[str]) -> bool:
