@@ -136,6 +136,12 @@ async def _load(port: int, body: dict, concurrency: int, seconds: float) -> dict
             "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1000, "n": len(lat)}
 
 
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _wait_port(port: int, timeout_s: float = 20.0) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -173,10 +179,15 @@ def main() -> None:
         for level in [int(x) for x in a.levels.split(",")]:
             for name, port, body in (("direct", pd_port, TEXT), ("proxy", proxy_port, TEXT),
                                      ("proxy-image", proxy_port, IMAGE)):
-                result = _run(_load(port, body, level, a.seconds))
+                cpu_before = _cpu_s(proxy.pid)
+                result: dict = _run(_load(port, body, level, a.seconds))  # type: ignore
+                # Proxy CPU per request (warm-up included): robust on a busy machine.
+                cpu_us = (_cpu_s(proxy.pid) - cpu_before) * 1e6 / max(result["n"], 1)
+                result["cpu_us"] = cpu_us if name != "direct" else 0.0
                 rows.append((level, name, result))
-                print(f"c={level:<4} {name:<12} rps={result['rps']:8.0f} "  # type: ignore
-                      f"p50={result['p50_ms']:7.2f}ms p99={result['p99_ms']:7.2f}ms",  # type: ignore
+                print(f"c={level:<4} {name:<12} rps={result['rps']:8.0f} "
+                      f"p50={result['p50_ms']:7.2f}ms p99={result['p99_ms']:7.2f}ms"
+                      + (f" proxy_cpu={cpu_us:6.0f}us/req" if name != "direct" else ""),
                       flush=True)
     finally:
         proxy.terminate()

@@ -62,9 +62,11 @@ async def serve(config: ProxyConfig, host: str, port: int, client_kind: str = "a
     import uvicorn
 
     from epdctl.proxy.app import create_app
+    from epdctl.proxy.logline import LineWriter
 
+    lines = LineWriter()
     async with _client(config, client_kind) as client:
-        app = create_app(config, client)
+        app = create_app(config, client, lines)
         server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, http="httptools", lifespan="off", access_log=False,
             log_level="warning", timeout_keep_alive=30, backlog=4096))
@@ -77,6 +79,7 @@ async def serve(config: ProxyConfig, host: str, port: int, client_kind: str = "a
             await server.serve()
         finally:
             health.cancel()
+            lines.flush()
 
 
 def _client(config: ProxyConfig, kind: str) -> Any:
@@ -91,8 +94,12 @@ def _client(config: ProxyConfig, kind: str) -> Any:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(
-        total=None, connect=config.connect_timeout_s, sock_read=config.decode_timeout_s))
+    # No cookie jar (instances set none) and no decompression (we ask for identity): both
+    # cost time on every request.
+    return aiohttp.ClientSession(
+        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s,
+                                      sock_read=config.decode_timeout_s))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -32,13 +33,15 @@ class _Completions:
         await self.proxy.completions(self.route, scope, receive, send)
 
 
-def create_app(config: ProxyConfig, client: Any) -> Starlette:
+def create_app(config: ProxyConfig, client: Any,
+               request_log: Callable[[str], None] | None = None) -> Starlette:
     """The proxy app over a caller-owned httpx.AsyncClient (or aiohttp.ClientSession).
 
     No lifespan hooks: the health loop is `app.state.proxy.run_health_checks()`, which the
-    server runner starts as a task (tests drive `proxy.upstreams` directly).
+    server runner starts as a task (tests drive `proxy.upstreams` directly). Request lines
+    go to `request_log` (default: the `epdctl.proxy` logger at INFO).
     """
-    proxy = Proxy(config, wrap(client, config.connect_timeout_s))
+    proxy = Proxy(config, wrap(client, config.connect_timeout_s), request_log)
     created = int(time.time())
 
     def _json(status: int, obj: object) -> Response:

@@ -80,7 +80,7 @@ class AiohttpUpstream:
     async def fetch(self, url: str, timeout_s: float, max_bytes: int) -> tuple[int, str, bytes]:
         try:
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                         allow_redirects=True) as resp:
+                                         allow_redirects=True, auto_decompress=True) as resp:
                 data = bytearray()
                 async for chunk in resp.content.iter_chunked(1 << 16):
                     data += chunk

@@ -12,7 +12,7 @@ from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import CHAT, MediaItem, dumps, encoder_body
+from epdctl.proxy.routing import CHAT, MediaItem, dumps, encoder_body, upstream_headers
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Pool
 
@@ -68,7 +68,7 @@ class Encoder:
                    results: dict[str, Any]) -> None:
         """Send one item, retrying once on another encoder; never raises."""
         payload = dumps(encoder_body(body, item))
-        headers = {"content-type": "application/json", "x-request-id": f"{trace.rid}:enc{n}"}
+        headers = upstream_headers(f"{trace.rid}:enc{n}")
         avoid = None
         for attempt in range(2):
             inst = avoid = self.pool.pick(avoid)

@@ -13,7 +13,7 @@ from epdctl.proxy.client import Reply, Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UpstreamError, error_body
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import decode_body, dumps, prefill_body
+from epdctl.proxy.routing import decode_body, dumps, prefill_body, upstream_headers
 from epdctl.proxy.sse import error_event, error_status, verdict
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Instance, Pool, Upstreams
@@ -116,7 +116,7 @@ class Generator:
         assert self.prefill_pool is not None
         inst = self.prefill_pool.pick(avoid)
         trace.instances["prefill"] = inst.url
-        headers = {"content-type": "application/json", "x-request-id": f"{trace.rid}:prefill"}
+        headers = upstream_headers(f"{trace.rid}:prefill")
         timeout_s = self.config.prefill_timeout_s
         started = time.perf_counter()
         inst.outstanding += 1
@@ -150,7 +150,7 @@ class Generator:
         stage = self.decode_stage
         inst = self.decode_pool.pick(avoid)
         trace.instances[stage] = inst.url
-        headers = {"content-type": "application/json", "x-request-id": f"{trace.rid}:decode"}
+        headers = upstream_headers(f"{trace.rid}:decode")
         payload = body if isinstance(body, bytes) else dumps(body)
         timeout_s = self.config.decode_timeout_s
         started = time.perf_counter()
@@ -168,10 +168,10 @@ class Generator:
                                           content_type=reply.content_type, body=data)
                     return Answer(200, reply.content_type, data)
                 chunks = reply.chunks().__aiter__()
-                head, error = await _peek(chunks)
-            if error is not None:
-                raise StageFailed(stage, inst, status=error_status(error),
-                                  body=json.dumps(error).encode())
+                head, in_stream = await _peek(chunks)
+            if in_stream is not None:
+                raise StageFailed(stage, inst, status=error_status(in_stream),
+                                  body=json.dumps(in_stream).encode())
             stream = self._relay(head, chunks, reply, inst, trace)
             is_handed_off = True  # the relay closes the reply and releases the instance
             return Answer(200, "text/event-stream; charset=utf-8", stream=stream)

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from epdctl.proxy.client import Upstream
@@ -28,7 +29,7 @@ from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Upstreams
 
 log = logging.getLogger("epdctl.proxy")
-Scope = dict[str, Any]
+Scope = MutableMapping[str, Any]
 
 
 class _Disconnect:
@@ -53,8 +54,10 @@ class _Disconnect:
 class Proxy:
     """Shared state of one app: config, pools, client, metrics, in-flight count."""
 
-    def __init__(self, config: ProxyConfig, client: Upstream) -> None:
+    def __init__(self, config: ProxyConfig, client: Upstream,
+                 request_log: Callable[[str], None] | None = None) -> None:
         self.config = config
+        self.request_log = request_log or (lambda line: log.info("%s", line))
         self.client = client
         self.upstreams = Upstreams(config)
         self.metrics = Metrics()
@@ -179,7 +182,7 @@ class Proxy:
         outcome = outcome_of(status) if isinstance(status, int) else "cancelled"
         self.metrics.count(trace.route, outcome)
         self.metrics.stage["total"].observe(time.perf_counter() - trace.start)
-        log.info("%s", trace.line(status))
+        self.request_log(trace.line(status))
 
 
 def _error(exc: ProxyError) -> Answer:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import uuid as uuidlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,13 @@ def request_id(headers_value: str | None) -> str:
     """The client's x-request-id, or a fresh one."""
     if headers_value and len(headers_value) <= 200 and headers_value.isprintable():
         return headers_value
-    return uuidlib.uuid4().hex
+    return os.urandom(16).hex()
+
+
+def upstream_headers(child_id: str) -> dict[str, str]:
+    """Headers of a sub-request; identity encoding, because the proxy relays raw bytes."""
+    return {"content-type": "application/json", "accept-encoding": "identity",
+            "x-request-id": child_id}
 
 
 def parse_body(raw: bytes, route: str, models: tuple[str, ...]) -> dict[str, Any]:
