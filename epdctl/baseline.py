@@ -68,24 +68,26 @@ def baseline_spec(
                    gpus=tuple(gpus or ()), side_channel_port=None, start_after=())
 
 
-def start(specs: Sequence[LaunchSpec], device: str, run_dir: Path,
-          gpus: str | None = None) -> tuple[LaunchSpec, Proc]:
+def parse_gpus(device: str, gpus: str | None) -> list[str] | None:
+    """--baseline-gpus as device ids; required on cuda, where the topology holds its GPUs."""
+    if device != "cuda":
+        return None
+    if gpus is None:
+        raise EpdctlError("on `device: cuda` verify needs --baseline-url URL (a server of the "
+                          "same model without EC/KV transfer) or --baseline-gpus LIST (free "
+                          "GPUs to start one on)")
+    return [g.strip() for g in gpus.split(",") if g.strip()]
+
+
+def start(specs: Sequence[LaunchSpec], run_dir: Path,
+          gpus: Sequence[str] | None = None) -> tuple[LaunchSpec, Proc]:
     """Spawn the twin of the first PD/prefill spec on a free port; log under run_dir/logs."""
     pd = next(s for s in specs if s.role in ("prefill_decode", "prefill"))
-    devices = None
-    if device == "cuda":
-        if gpus is None:
-            # The topology usually holds every GPU it was given; where a baseline fits is
-            # the user's call.
-            raise EpdctlError("on `device: cuda` verify needs --baseline-url URL (a server of "
-                              "the same model without EC/KV transfer) or --baseline-gpus LIST "
-                              "(free GPUs to start one on)")
-        devices = [g.strip() for g in gpus.split(",") if g.strip()]
-        if len(devices) != len(pd.gpus):
-            raise EpdctlError(f"--baseline-gpus: `{pd.name}` runs on {len(pd.gpus)} GPU(s); "
-                              f"give as many, not {len(devices)}")
+    if gpus is not None and len(gpus) != len(pd.gpus):
+        raise EpdctlError(f"--baseline-gpus: `{pd.name}` runs on {len(pd.gpus)} GPU(s); "
+                          f"give as many, not {len(gpus)}")
     port = free_port([s.port for s in specs])
-    spec = baseline_spec(pd, port, run_dir / "logs" / f"{NAME}.log", devices)
+    spec = baseline_spec(pd, port, run_dir / "logs" / f"{NAME}.log", gpus)
     return spec, spawn(spec, run_dir)
 
 

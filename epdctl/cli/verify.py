@@ -116,14 +116,14 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     topology = load_topology(topology_path)
     sdir = StateDir(app.state_dir(topology.name))
     deadline = time.monotonic() + timeout_s
-    # A given baseline is checked before anything starts.
+    # The baseline options are checked before anything starts.
     model = base.first_model(baseline_url) if baseline_url else None
+    gpus = None if baseline_url else base.parse_gpus(topology.device, baseline_gpus)
     baseline: tuple[LaunchSpec, Proc] | None = None
     is_started = False
     try:
         if baseline_url is None:
-            baseline = base.start(_specs(app, topology, sdir), topology.device, sdir.path,
-                                  baseline_gpus)
+            baseline = base.start(_specs(app, topology, sdir), sdir.path, gpus)
             app.err.print(f"Starting the baseline on port {baseline[0].port} "
                           f"(log {baseline[0].log_path})", markup=False)
         if sdir.is_running():

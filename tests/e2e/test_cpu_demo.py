@@ -69,10 +69,11 @@ def test_repeated_image_is_loaded_from_the_store(demo: tuple[TopologyRun, Server
     png = make_image(41)
     key, url = content_key("image", png), image_data_url(png)
     pd_start = len(run.log("pd-0"))
-    first = chat(run.proxy_url, MODEL, image_urls=[url])
+    # Salts keep the prefix cache from answering the repeat without the image.
+    first = chat(run.proxy_url, MODEL, image_urls=[url], extra_body={"cache_salt": "first"})
     entry = wait_for(lambda: (e := cache_entry(run, key)) and e["hits"] >= 1 and e)
     assert entry, "no entry, or no hit on it, after the first request"
-    second = chat(run.proxy_url, MODEL, image_urls=[url])
+    second = chat(run.proxy_url, MODEL, image_urls=[url], extra_body={"cache_salt": "second"})
     assert first and first == second == chat(baseline.base_url, baseline.model, image_urls=[url])
     again = wait_for(lambda: (e := cache_entry(run, key)) and e["hits"] > entry["hits"] and e)
     assert again and again["hits"] == entry["hits"] + 1

@@ -204,15 +204,39 @@ def check_verify(run: TopologyRun, baseline: Server) -> dict[str, Any]:
 
 
 def check_down(run: TopologyRun) -> None:
-    """`down` stops every recorded process group and removes the namespace's store files."""
+    """`down` stops every recorded process group and leaves no store or vLLM shm files."""
     namespace_dir = Path(run.state().store_dir)
     assert namespace_dir.is_dir()
+    shm = shm_files(run)
+    assert shm, "the instances map no /dev/shm file: the check below would prove nothing"
     result = run.cli("down", timeout_s=90)
     assert result.returncode == 0, result.stderr
     assert not (run.run_dir / "state.json").exists()
     assert leftovers(run) == []
     assert not namespace_dir.exists()
     assert store_files(run.cache_dir) == []
+    assert [p for p in shm if Path(p).exists()] == []
+
+
+def shm_files(run: TopologyRun) -> set[str]:
+    """/dev/shm files mapped by any process of the running instances (vLLM's queues)."""
+    import psutil
+
+    paths: set[str] = set()
+    for record in run.state().records.values():
+        try:
+            root = psutil.Process(record.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in procs:
+            try:
+                maps = proc.memory_maps(grouped=True)
+            except psutil.Error:
+                continue
+            paths |= {m.path for m in maps
+                      if m.path.startswith("/dev/shm/") and not m.path.endswith("(deleted)")}
+    return paths
 
 
 def cache_entry(run: TopologyRun, key: str) -> dict[str, Any] | None:

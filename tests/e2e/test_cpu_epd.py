@@ -1,0 +1,102 @@
+"""topologies/cpu-epd.yaml (E|P|D, tiny LLaVA) for real: up, requests, cache hits, verify, down."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.topology_run import (
+    TopologyRun,
+    cache_entry,
+    check_all_ready,
+    check_down,
+    check_logs,
+    check_verify,
+    topology_with_baseline,
+    wait_for,
+    write_topology,
+)
+from tests.vllm_harness import Server, chat, image_data_url, make_image
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+MODEL = "tiny-llava"
+INSTANCES = ("encode-0", "prefill-0", "decode-0")
+
+
+@pytest.fixture(scope="module")
+def epd(
+    tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[TopologyRun, Server]]:
+    """cpu-epd.yaml with free ports, a private store and DEBUG logs, plus its baseline."""
+    tmp = tmp_path_factory.mktemp("cpu-epd")
+    path, cache_dir = write_topology("cpu-epd", tmp, tiny_llava,
+                                     env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    # P and D use 32-token KV blocks; so does the baseline, so the kernels match too.
+    with topology_with_baseline(path, cache_dir, tmp / "state", tiny_llava,
+                                ("--block-size", "32")) as servers:
+        yield servers
+
+
+def test_status_all_ready(epd: tuple[TopologyRun, Server]) -> None:
+    check_all_ready(epd[0], INSTANCES)
+
+
+@pytest.mark.parametrize("is_streamed", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("seed", [None, 22], ids=["text", "image"])
+def test_outputs_equal_the_baseline(
+    epd: tuple[TopologyRun, Server], seed: int | None, is_streamed: bool
+) -> None:
+    run, baseline = epd
+    urls = [image_data_url(make_image(seed))] if seed is not None else []
+    mine = chat(run.proxy_url, MODEL, image_urls=urls, stream=is_streamed)
+    theirs = chat(baseline.base_url, baseline.model, image_urls=urls)
+    assert mine and mine == theirs
+
+
+def test_kv_went_from_prefill_to_decode(epd: tuple[TopologyRun, Server]) -> None:
+    """D answered from P's KV: the request reached both, and the KV files were written."""
+    run, _ = epd
+    assert chat(run.proxy_url, MODEL, image_urls=[image_data_url(make_image(23))])
+    kv_dir = run.run_dir / "kv"
+    assert kv_dir.is_dir() and any(kv_dir.rglob("*")), "no KV written by ExampleConnector"
+    for name in ("prefill-0", "decode-0"):
+        assert "POST /v1/chat/completions" in run.log(name), name
+
+
+def test_repeated_image_is_loaded_from_the_store(epd: tuple[TopologyRun, Server]) -> None:
+    """E encodes the image; P loads it from the store; neither P nor D runs the encoder."""
+    from epdctl.proxy.media import content_key
+
+    run, baseline = epd
+    png = make_image(42)
+    key, url = content_key("image", png), image_data_url(png)
+    start = len(run.log("prefill-0"))
+    # Salts keep the prefix cache from answering the repeat without the image.
+    first = chat(run.proxy_url, MODEL, image_urls=[url], extra_body={"cache_salt": "first"})
+    entry = wait_for(lambda: (e := cache_entry(run, key)) and e["hits"] >= 1 and e)
+    assert entry, "no entry, or no hit on it, after the first request"
+    second = chat(run.proxy_url, MODEL, image_urls=[url], extra_body={"cache_salt": "second"})
+    assert first and first == second == chat(baseline.base_url, baseline.model, image_urls=[url])
+    again = wait_for(lambda: (e := cache_entry(run, key)) and e["hits"] > entry["hits"] and e)
+    assert again, "no new hit for the repeated image"  # D may pin it too: no exact count
+
+    loaded = f"Success load encoder cache for hash {key}"
+    assert wait_for(lambda: loaded in run.log("prefill-0")[start:]), run.log("prefill-0")[-3000:]
+    for name in ("prefill-0", "decode-0"):
+        assert f"Finish execute for mm hash {key}" not in run.log(name), name
+    assert f"Finish execute for mm hash {key}" in run.log("encode-0")
+
+
+def test_logs_show_every_instance(epd: tuple[TopologyRun, Server]) -> None:
+    check_logs(epd[0], INSTANCES)
+
+
+def test_verify_passes(epd: tuple[TopologyRun, Server]) -> None:
+    check_verify(*epd)
+
+
+def test_down_leaves_nothing(epd: tuple[TopologyRun, Server]) -> None:
+    """Last in the module: no recorded process or group alive, no store or shm files."""
+    check_down(epd[0])

@@ -1,0 +1,173 @@
+"""topologies/cpu-qwen2vl.yaml (E|PD, tiny Qwen2-VL, metadata rewrite) for real.
+
+With the rewrite, the proxy sends PD E's `image_grid_thw` instead of the image, so PD
+neither fetches nor preprocesses it. vLLM's logs cannot show that, so a test-only probe
+(tests/e2e/probe/sitecustomize.py, put on PD's and E's PYTHONPATH) records every media
+load and HF-processor call of each instance in a file of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.topology_run import (
+    MEDIA_PROBE,
+    TopologyRun,
+    check_all_ready,
+    check_down,
+    check_logs,
+    check_verify,
+    topology_with_baseline,
+    wait_for,
+    write_topology,
+)
+from tests.vllm_harness import Server, chat, free_port, image_data_url, make_image
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+MODEL = "tiny-qwen2vl"
+INSTANCES = ("encode-0", "pd-0")
+
+
+def probe_env(path: Path) -> dict[str, str]:
+    pythonpath = os.pathsep.join(filter(None, [str(MEDIA_PROBE), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": pythonpath, "EPDCTL_PROBE_FILE": str(path)}
+
+
+@pytest.fixture(scope="module")
+def qwen(
+    tiny_qwen2vl: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[TopologyRun, Server]]:
+    """cpu-qwen2vl.yaml with free ports, a private store, DEBUG logs and the probe."""
+    tmp = tmp_path_factory.mktemp("cpu-qwen2vl")
+    path, cache_dir = write_topology(
+        "cpu-qwen2vl", tmp, tiny_qwen2vl, env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+        role_env={"encode": probe_env(tmp / "probe-encode.txt"),
+                  "prefill_decode": probe_env(tmp / "probe-pd.txt")},
+    )
+    with topology_with_baseline(path, cache_dir, tmp / "state", tiny_qwen2vl) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def plain_proxy(qwen: tuple[TopologyRun, Server]) -> Iterator[str]:
+    """A second proxy before the same E and PD, with the metadata rewrite off."""
+    from epdctl.launcher import probe
+
+    run, _ = qwen
+    specs = {s.name: s for s in run.state().specs}
+    port = free_port()
+    log = open(run.run_dir / "logs" / "plain-proxy.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
+         "--encode", specs["encode-0"].url, "--pd", specs["pd-0"].url,
+         "--no-metadata-rewrite"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: proc.poll() is None and probe(f"{url}/health") == 200, 60, 0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+class Probe:
+    """Lines one instance's probe appended since this object was made."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.start = path.stat().st_size if path.exists() else 0
+
+    def calls(self, kind: str) -> list[str]:
+        data = self.path.read_text() if self.path.exists() else ""
+        lines = data[self.start:].splitlines()
+        return [line for line in lines if line.split(" ")[2:3] == [kind]]
+
+    def image_calls(self) -> list[str]:
+        """Media loads, and HF-processor calls that were handed images."""
+        return self.calls("media") + [
+            line for line in self.calls("hf_processor") if "images=0 " not in line]
+
+
+def probes(run: TopologyRun) -> tuple[Probe, Probe]:
+    tmp = run.path.parent
+    return Probe(tmp / "probe-encode.txt"), Probe(tmp / "probe-pd.txt")
+
+
+def test_status_all_ready(qwen: tuple[TopologyRun, Server]) -> None:
+    check_all_ready(qwen[0], INSTANCES)
+
+
+def test_probe_is_loaded_in_both_instances(qwen: tuple[TopologyRun, Server]) -> None:
+    """Guards the probe tests: both instances patched the media and processor modules."""
+    for name in ("encode", "pd"):
+        text = (qwen[0].path.parent / f"probe-{name}.txt").read_text()
+        assert " patched vllm.multimodal.media.connector" in text, name
+        assert " patched vllm.multimodal.processing.context" in text, name
+
+
+@pytest.mark.parametrize("is_streamed", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("seeds", [(), (24,), (25, 26)], ids=["text", "image", "two-images"])
+def test_outputs_equal_the_baseline(
+    qwen: tuple[TopologyRun, Server], seeds: tuple[int, ...], is_streamed: bool
+) -> None:
+    run, baseline = qwen
+    urls = [image_data_url(make_image(seed)) for seed in seeds]
+    mine = chat(run.proxy_url, MODEL, image_urls=urls, stream=is_streamed)
+    theirs = chat(baseline.base_url, baseline.model, image_urls=urls)
+    assert mine and mine == theirs
+
+
+def test_rewritten_request_never_touches_the_image_on_pd(
+    qwen: tuple[TopologyRun, Server],
+) -> None:
+    from epdctl.proxy.media import content_key
+
+    run, baseline = qwen
+    png = make_image(43)
+    url = image_data_url(png)
+    encode, pd = probes(run)
+    answer = chat(run.proxy_url, MODEL, image_urls=[url])
+    assert answer == chat(baseline.base_url, baseline.model, image_urls=[url])
+    assert encode.calls("media") and [c for c in encode.calls("hf_processor") if "images=1" in c]
+    assert pd.image_calls() == []
+    key = content_key("image", png)
+    assert wait_for(lambda: f"Success load encoder cache for hash {key}" in run.log("pd-0"))
+    assert f"Finish execute for mm hash {key}" not in run.log("pd-0")
+
+
+def test_without_the_rewrite_pd_preprocesses_the_image(
+    qwen: tuple[TopologyRun, Server], plain_proxy: str
+) -> None:
+    """The probe does see PD's work when the proxy passes the image through."""
+    run, baseline = qwen
+    url = image_data_url(make_image(44))
+    _, pd = probes(run)
+    answer = chat(plain_proxy, MODEL, image_urls=[url])
+    assert answer == chat(baseline.base_url, baseline.model, image_urls=[url])
+    assert pd.calls("media")
+    assert [c for c in pd.calls("hf_processor") if "images=1" in c]
+
+
+def test_logs_show_every_instance(qwen: tuple[TopologyRun, Server]) -> None:
+    check_logs(qwen[0], INSTANCES)
+
+
+def test_verify_passes(qwen: tuple[TopologyRun, Server]) -> None:
+    run, baseline = qwen
+    _, pd = probes(run)
+    check_verify(run, baseline)
+    assert pd.image_calls() == [], "verify's image requests reached PD's preprocessing"
+
+
+def test_down_leaves_nothing(qwen: tuple[TopologyRun, Server]) -> None:
+    """Last in the module: no recorded process or group alive, no store or shm files."""
+    check_down(qwen[0])
