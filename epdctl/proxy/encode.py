@@ -39,6 +39,14 @@ class Encoder:
                 unique.setdefault(item.uuid, item)
         if not unique:
             return {}, {}
+        if not self.pool.healthy:
+            # Every encoder is ejected (dead or hung): PD encodes at once, instead of each
+            # request waiting out a refused connection or encode_timeout on it. The health
+            # loop re-admits an encoder on its first good probe.
+            trace.notes.append("encoders_out=1")
+            trace.fallbacks.extend("encoder" for _ in unique)
+            self.metrics.fallbacks.labels("encoder").inc(len(unique))
+            return {}, {}
         self.metrics.fanout.observe(len(unique))
         started = time.perf_counter()
         results: dict[str, tuple[str, dict[str, Any], dict[str, Any]] | None] = {}
