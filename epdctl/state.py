@@ -148,23 +148,25 @@ class StateDir:
 
     def read(self) -> RunState:
         """The validated state; NotRunningError when absent, StateError when unreadable."""
+        way_out = f"run `epdctl down --force --name {self.path.name}` to stop whatever it started"
         try:
-            text = self.state_file.read_text(encoding="utf-8")
+            # Bytes, not text: pydantic reports bad UTF-8 as corrupt JSON, not a traceback.
+            data = self.state_file.read_bytes()
         except FileNotFoundError:
             raise NotRunningError(
                 f"`{self.path.name}` is not running (no {self.state_file})"
             ) from None
         except OSError as exc:
-            raise StateError(f"cannot read {self.state_file}: {exc}") from None
+            raise StateError(
+                f"cannot read {self.state_file}: {exc.strerror or exc}; {way_out}"
+            ) from None
         try:
-            return RunState.model_validate_json(text)
+            return RunState.model_validate_json(data)
         except ValidationError as exc:
             first = exc.errors(include_url=False)[0]
             where = ".".join(str(p) for p in first["loc"]) or "file"
-            raise StateError(
-                f"{self.state_file} is corrupt ({where}: {first['msg']}); "
-                f"run `epdctl down --force --name {self.path.name}` to stop whatever it started"
-            ) from None
+            raise StateError(f"{self.state_file} is corrupt ({where}: {first['msg']}); {way_out}"
+                             ) from None
 
     def write(self, state: RunState) -> None:
         """Atomically replace state.json, so a reader never sees half a file."""
