@@ -98,7 +98,7 @@ def _detached(app: App, sdir: StateDir, state: RunState, fd: int, timeout_s: flo
     import signal
 
     from epdctl.errors import StartupError
-    from epdctl.launcher import describe_failure, exit_text
+    from epdctl.launcher import describe_failure, exit_text, stop_run
     from epdctl.supervisor import spawn_detached
 
     popen = spawn_detached(sdir, fd, timeout_s)
@@ -123,6 +123,9 @@ def _detached(app: App, sdir: StateDir, state: RunState, fd: int, timeout_s: flo
     finally:
         progress.close()
     state = sdir.read()
+    # A supervisor that failed cleanly stopped everything; one that was killed (SIGKILL, the
+    # OOM killer) left its instances running, and without state.json `down` can't find them.
+    stop_run(sdir, state)
     sdir.finish(state)
     log_path = sdir.logs_dir / "supervisor.log"
     raise StartupError(state.error or describe_failure("supervisor", exit_text(popen.returncode),
