@@ -1,0 +1,90 @@
+"""Real vLLM (CPU build, tiny LLaVA, our EC connector): E + PD through the proxy process.
+
+Outputs equal an aggregated baseline's, text and image, streamed and not, through the
+official openai client; PD loaded E's encoding from the store instead of encoding itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from epdctl.proxy.media import content_key
+from tests.vllm_harness import chat, free_port, image_data_url, make_image
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object, Path]]:
+    """E, PD and a baseline (real vLLM) plus `python -m epdctl.proxy` in front of E and PD."""
+    pytest.importorskip("vllm", reason="needs vLLM (scripts/setup-cpu.sh)")
+    from epdctl.dev.tiny_models import ensure_model
+    from tests.connector.epd import epd
+
+    model = ensure_model("llava")
+    logs = tmp_path_factory.mktemp("proxy-real")
+    with epd(model, logs, with_baseline=True) as servers:
+        port = free_port()
+        log = logs / "proxy.log"
+        with log.open("wb") as out:
+            proxy = subprocess.Popen(
+                [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", str(model),
+                 "--encode", servers.encoder.url, "--pd", servers.pd.url],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30
+            while not _healthy(url):
+                assert proxy.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            yield url, servers, log
+        finally:
+            os.killpg(proxy.pid, signal.SIGTERM)
+            proxy.wait(10)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.parametrize("is_streamed", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("seed", [None, 31], ids=["text", "image"])
+def test_outputs_equal_the_baseline(stack, seed, is_streamed):
+    url, servers, _ = stack
+    urls = [image_data_url(make_image(seed))] if seed is not None else []
+    mine = chat(url, str(servers.pd.model), image_urls=urls, stream=is_streamed)
+    theirs = chat(servers.baseline.base_url, servers.baseline.model, image_urls=urls)
+    assert mine and mine == theirs
+
+
+def test_pd_loads_what_e_encoded_under_the_proxy_key(stack):
+    url, servers, log = stack
+    png = make_image(57)
+    key = content_key("image", png)
+    pd_start = len(servers.pd.log_text())
+    out = chat(url, str(servers.pd.model), image_urls=[image_data_url(png)])
+    assert out == chat(servers.baseline.base_url, servers.baseline.model,
+                       image_urls=[image_data_url(png)])
+    deadline = time.monotonic() + 10
+    loaded = f"Success load encoder cache for hash {key}"
+    while loaded not in servers.pd.log_text()[pd_start:]:
+        assert time.monotonic() < deadline, servers.pd.log_tail(60)
+        time.sleep(0.2)
+    assert f"Finish execute for mm hash {key}" in servers.encoder.log_text()
+    assert f"Finish execute for mm hash {key}" not in servers.pd.log_text()
+    time.sleep(0.3)  # the proxy writes its request lines in 0.1 s batches
+    lines = [line for line in log.read_text().splitlines() if "status=200" in line
+             and "items=1" in line]
+    assert lines and "encode_ms=" in lines[-1] and "fallbacks" not in lines[-1]
