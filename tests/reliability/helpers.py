@@ -1,0 +1,90 @@
+"""Helpers for the reliability suite: the CLI as a subprocess, topology edits, process checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.conftest import FAKE_PROXY
+
+
+def cli_env(state_root: Path, *, fake_proxy: bool = True) -> dict[str, str]:
+    """The environment a user's shell would give `python -m epdctl`, with this state root."""
+    env = {**os.environ, "EPDCTL_STATE_DIR": str(state_root), "NO_COLOR": "1",
+           "COLUMNS": "200"}
+    env.pop("EPDCTL_PROXY_COMMAND", None)
+    if fake_proxy:
+        env["EPDCTL_PROXY_COMMAND"] = FAKE_PROXY
+    return env
+
+
+def epdctl(env: Mapping[str, str], *args: str,
+           timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "epdctl", *args], env=dict(env), text=True,
+                          capture_output=True, timeout=timeout_s)
+
+
+def spawn_epdctl(env: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
+    """`python -m epdctl ARGS` in the background (its own session: signals reach only it)."""
+    return subprocess.Popen([sys.executable, "-m", "epdctl", *args], env=dict(env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def edit_topology(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
+    """Load the topology YAML, let `change` edit the dict in place, write it back."""
+    data = yaml.safe_load(path.read_text())
+    change(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float = 20.0,
+             interval_s: float = 0.1) -> Any:
+    """Poll until predicate() is truthy; its last value (falsy on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def marked_pids(run_dir: Path) -> set[int]:
+    """Every live process (not a zombie) whose environment marks it as started for run_dir."""
+    import psutil
+
+    from epdctl.launcher import MARK_DIR
+
+    found = set()
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(MARK_DIR) == str(run_dir):
+                found.add(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_group(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Signal the process group `pid` leads (an instance: start_new_session)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float = 30) -> tuple[int, str, str]:
+    """Wait for a background epdctl; its exit code, stdout and stderr."""
+    out, err = proc.communicate(timeout=timeout_s)
+    return proc.returncode, out, err
