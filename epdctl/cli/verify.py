@@ -72,8 +72,8 @@ def _table(results: list[Result]) -> Table:
         output = Text("equal", "green") if r.is_equal else Text(
             "error" if r.topology.error or r.baseline.error else "DIFFERENT", "red")
         cache = Text("-") if r.cache is None else Text(
-            f"{'hit' if r.cache.is_hit else 'MISS'} {r.cache.hits}/{r.cache.keys}",
-            "green" if r.cache.is_hit else "red")
+            f"{r.cache.verdict} {r.cache.hits}/{r.cache.keys}",
+            "green" if r.cache.hits and r.cache.is_ok else "" if r.cache.is_ok else "red")
         table.add_row(Text(r.prompt.name), output, cache,
                       *(Text(f"{a.latency_s * 1000:.0f} ms") for a in (r.topology, r.baseline)))
     return table
@@ -167,5 +167,9 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     bad = [r.prompt.name for r in results if not r.is_ok]
     if bad:
         raise VerifyError(f"{len(bad)} of {len(results)} prompts failed: {', '.join(bad)}")
-    app.err.print(f"{len(results)} prompts: equal to the baseline"
-                  + (", every image loaded from the EC store" if ns_dir else ""), markup=False)
+    if not doc["ok"]:
+        raise VerifyError("no image was loaded from the EC store: P/PD did not use E's output")
+    uses = [r.cache for r in results if r.cache is not None]
+    loaded = f"; {sum(u.verdict == 'hit' for u in uses)} of {len(uses)} with images loaded " \
+        "them from the EC store" if uses else ""
+    app.err.print(f"{len(results)} prompts equal to the baseline{loaded}", markup=False)

@@ -25,14 +25,29 @@ def result(mine: str | None, theirs: str | None, cache: core.CacheUse | None = N
     return core.Result(prompt, answer(mine), answer(theirs), cache)
 
 
-def test_result_is_ok_only_when_equal_and_every_image_was_a_hit() -> None:
+def test_result_is_ok_only_when_equal_and_no_image_was_encoded_twice() -> None:
     assert result("a", "a").is_ok
     assert not result("a", "b").is_ok
     assert result("a", "a", core.CacheUse(keys=2, hits=2)).is_ok
-    assert not result("a", "a", core.CacheUse(keys=2, hits=1)).is_ok
-    assert not result("a", "a", core.CacheUse(keys=1, hits=1, misses=1)).is_ok
+    assert result("a", "a", core.CacheUse(keys=2, hits=1)).is_ok  # one needed no encoder output
+    assert not result("a", "a", core.CacheUse(keys=1, hits=0, misses=1)).is_ok
+    assert not result("a", "b", core.CacheUse(keys=1, hits=1)).is_ok
     failed = core.Result(core.PROMPTS[0], answer(None, "HTTP 500: boom"), answer(None, "x"))
     assert not failed.is_equal  # two errors are not "equal" answers
+
+
+@pytest.mark.parametrize(("hits", "misses", "verdict"), [
+    (2, 0, "hit"), (1, 0, "partial"), (0, 0, "unused"), (1, 1, "miss"), (0, 2, "miss")])
+def test_cache_verdicts(hits: int, misses: int, verdict: str) -> None:
+    assert core.CacheUse(keys=2, hits=hits, misses=misses).verdict == verdict
+
+
+def test_passing_needs_one_real_hit_when_there_is_an_encoder() -> None:
+    unused = core.CacheUse(keys=1, hits=0)
+    assert not core.is_passed([result("a", "a", unused), result("b", "b", unused)])
+    assert core.is_passed([result("a", "a", unused), result("b", "b", core.CacheUse(1, 1))])
+    assert core.is_passed([result("a", "a")])  # no encoder: nothing to load
+    assert not core.is_passed([])
 
 
 def test_prompts_cover_the_cases_and_their_images_differ() -> None:
@@ -68,7 +83,7 @@ def test_cache_use_counts_key_hits_since_before(tmp_path: Path) -> None:
     before = core.StoreCounters.read(tmp_path)
     write_stats(tmp_path, "pd-0-scheduler", {"k1": 2, "k2": 1}, hits=3)
     use = core.cache_use(tmp_path, before, {"k1", "k2"}, timeout_s=0)
-    assert use == core.CacheUse(keys=2, hits=2, misses=0) and use.is_hit
+    assert use == core.CacheUse(keys=2, hits=2, misses=0)
 
 
 def test_cache_use_gives_up_at_the_deadline(tmp_path: Path) -> None:
@@ -76,7 +91,7 @@ def test_cache_use_gives_up_at_the_deadline(tmp_path: Path) -> None:
     write_stats(tmp_path, "pd-0-scheduler", {"other": 1}, hits=1, misses=1)
     now = iter([0.0, 0.0, 10.0])
     use = core.cache_use(tmp_path, before, {"k1"}, clock=lambda: next(now), sleep=lambda s: None)
-    assert use == core.CacheUse(keys=1, hits=0, misses=1) and not use.is_hit
+    assert use == core.CacheUse(keys=1, hits=0, misses=1)
 
 
 def test_baseline_spec_drops_transfer_configs_and_side_channel() -> None:
@@ -103,7 +118,7 @@ def test_report_document_shape() -> None:
     assert doc["ok"] is False and doc["name"] == "t"
     assert doc["prompts"][1] == {
         "name": "one image", "images": 1, "stream": False, "equal": False, "ok": False,
-        "cache": {"hit": True, "keys": 1, "hits": 1, "misses": 0},
+        "cache": {"verdict": "hit", "keys": 1, "hits": 1, "misses": 0},
         "topology": {"text": "a", "latency_s": 0.25, "error": None},
         "baseline": {"text": "b", "latency_s": 0.25, "error": None},
     }
@@ -171,6 +186,16 @@ def test_a_mismatch_exits_1_with_a_table(epdctl, fake_topology, state_root, hits
     assert lines[1].split()[:4] == ["text", "only", "equal", "-"]
     assert "two images: baseline 'something else'" in result.stdout
     assert not (state_root / "fake" / "state.json").exists()
+
+
+def test_no_hit_at_all_exits_1(epdctl, fake_topology, monkeypatch) -> None:
+    """Fake engines never use the store: every image 'unused', which cannot pass."""
+    monkeypatch.setattr(core, "cache_use", lambda ns_dir, before, keys: core.CacheUse(
+        len(keys), 0))
+    result = epdctl("verify", str(fake_topology()), "--timeout", "20")
+    assert result.exit_code == 1
+    assert "Error: no image was loaded from the EC store" in result.stderr
+    assert result.stdout.splitlines()[2].split()[2:5] == ["equal", "unused", "0/1"]
 
 
 def test_a_cache_miss_exits_1(epdctl, fake_topology, monkeypatch) -> None:
