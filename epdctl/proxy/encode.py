@@ -52,9 +52,13 @@ class Encoder:
         results: dict[str, tuple[str, dict[str, Any], dict[str, Any]] | None] = {}
         try:
             # A deadline for the whole stage: whatever is unfinished falls back to PD.
-            async with asyncio.timeout(self.config.encode_timeout_s), asyncio.TaskGroup() as tg:
-                for n, item in enumerate(unique.values()):
-                    tg.create_task(self._one(body, item, n, trace, results))
+            async with asyncio.timeout(self.config.encode_timeout_s):
+                if len(unique) == 1:  # the common case needs no task of its own
+                    await self._one(body, next(iter(unique.values())), 0, trace, results)
+                else:
+                    async with asyncio.TaskGroup() as tg:
+                        for n, item in enumerate(unique.values()):
+                            tg.create_task(self._one(body, item, n, trace, results))
         except TimeoutError:
             trace.notes.append("encode_timeout=1")
         self.metrics.stage["encode"].observe(trace.timed("encode", started))

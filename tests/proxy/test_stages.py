@@ -222,3 +222,16 @@ async def test_encoder_400_falls_back_so_pd_can_answer(rig_factory):
     rig = rig_factory(fakes, encode=("http://e0",))
     assert (await rig.chat([image_part()])).status_code == 200
     assert len(rig.fakes.posts("e0")) == 1  # a 4xx is not retried
+
+
+async def test_all_encoders_ejected_skips_e_and_pd_encodes(rig_factory):
+    fakes = Fakes(encoder_metadata=GRID)
+    rig = rig_factory(fakes, encode=("http://e0",), eject_after=1)
+    fakes.down.add("e0")
+    await rig.proxy.upstreams.probe_all(lambda url: rig.proxy.client.probe(url, 1.0))
+    seen_before = len(rig.fakes.posts("e0"))
+    r = await rig.chat([image_part()])
+    assert r.status_code == 200
+    assert len(rig.fakes.posts("e0")) == seen_before  # no attempt on an ejected encoder
+    [pd] = rig.fakes.posts("pd")
+    assert pd.body["messages"][0]["content"][0] == {**image_part(), "uuid": KEY}
