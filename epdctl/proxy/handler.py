@@ -62,6 +62,7 @@ class Proxy:
         self.upstreams = Upstreams(config)
         self.metrics = Metrics()
         self.inflight = 0
+        self.metrics.inflight.set_function(lambda: self.inflight)  # read at scrape time
         encode_pool = self.upstreams.pools.get("encode")
         self.encoder = Encoder(config, encode_pool, client, self.metrics) if encode_pool else None
         self.generator = Generator(config, self.upstreams, client, self.metrics)
@@ -96,12 +97,10 @@ class Proxy:
             self._finish(trace, answer.status)
             return
         self.inflight += 1
-        self.metrics.inflight.inc()
         try:
             await self._serve(route, receive, send, trace)
         finally:
             self.inflight -= 1
-            self.metrics.inflight.dec()
 
     def _refuse(self, scope: Scope, length: bytes | None) -> Answer | None:
         """The answer for a request turned away before its body is read, if it is."""
