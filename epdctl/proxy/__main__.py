@@ -75,6 +75,9 @@ async def serve(config: ProxyConfig, host: str, port: int, client_kind: str = "a
                  "rewrite=%s auth=%s client=%s", host, port, config.mode, list(config.encode),
                  list(config.pd), list(config.prefill), list(config.decode),
                  config.metadata_rewrite, "on" if config.api_key else "off", client_kind)
+        if not config.api_key and host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s without an API key: anyone who can reach it can use "
+                        "the model (set proxy.api_key)", host)
         try:
             await server.serve()
         finally:

@@ -174,7 +174,7 @@ class Generator:
                                   body=json.dumps(in_stream).encode())
             stream = self._relay(head, chunks, reply, inst, trace)
             is_handed_off = True  # the relay closes the reply and releases the instance
-            return Answer(200, "text/event-stream; charset=utf-8", stream=stream)
+            return Answer(200, reply.content_type, stream=stream)
         except TimeoutError:
             error = UpstreamError(stage, inst.url, "timeout", f"no answer in {timeout_s}s")
             raise StageFailed(stage, inst, error=error) from None
