@@ -1,0 +1,159 @@
+"""Real CPU topologies for the reliability suite: a test copy brought up by the CLI, and probes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from tests.e2e.topology_run import READY_TIMEOUT_S, TopologyRun, _stop_leftovers, cli_env
+from tests.reliability.helpers import edit_topology, wait_for
+from tests.vllm_harness import copy_topology, image_data_url, make_image
+
+
+@contextmanager
+def store_root(tmp: Path, size: str = "4m") -> Iterator[tuple[Path, bool]]:
+    """A store root on a tmpfs of its own (so a test can really fill it), when this process
+    may mount one (root); else a private directory under /dev/shm. Yields (path, is_small)."""
+    small = tmp / "small-shm"
+    small.mkdir()
+    is_mounted = os.geteuid() == 0 and shutil.which("mount") is not None and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "epdctl-test", str(small)],
+        capture_output=True).returncode == 0
+    path = small if is_mounted else Path(f"/dev/shm/epdctl-test-{uuid.uuid4().hex[:8]}")
+    try:
+        yield path, is_mounted
+    finally:
+        if is_mounted:
+            subprocess.run(["umount", "-l", str(small)], capture_output=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def topology(src: str, tmp: Path, model: Path, cache_dir: Path,
+             change: Callable[[dict[str, Any]], None]) -> Iterator[TopologyRun]:
+    """`up -d` a test copy of topologies/<src>.yaml (free ports, this store root, `change`d);
+    `down` after, and stop whatever `down` missed."""
+    path = edit_topology(copy_topology(src, tmp, model=model, cache_dir=cache_dir), change)
+    run = TopologyRun(path, tmp / "state", cache_dir, cli_env())
+    try:
+        up = run.cli("up", str(path), "-d", "--timeout", str(READY_TIMEOUT_S),
+                     timeout_s=READY_TIMEOUT_S + 60)
+        assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
+        yield run
+    finally:
+        if run.is_up():
+            run.cli("down", "--name", run.name, timeout_s=90)
+        _stop_leftovers(run)
+
+
+def debug_logs(data: dict[str, Any]) -> None:
+    """DEBUG engine logs: vLLM's `Finish execute for mm hash H` and the connector's lines."""
+    engine = data.setdefault("engine", {})
+    engine["env"] = {**engine.get("env", {}), "VLLM_LOGGING_LEVEL": "DEBUG"}
+
+
+def image(seed: int) -> tuple[str, str]:
+    """The proxy's (and so E's and PD's) cache key for image `seed`, and its data URL."""
+    from epdctl.proxy.media import content_key
+
+    png = make_image(seed)
+    return content_key("image", png), image_data_url(png)
+
+
+def body(model: str, *, urls: tuple[str, ...] = (), uuid_: str | None = None,
+         text: str = "What is in the image?", **extra: Any) -> dict[str, Any]:
+    """A chat request at temperature 0 (images first, each with `uuid_` when given)."""
+    parts: list[dict[str, Any]] = []
+    for url in urls:
+        part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url}}
+        if uuid_ is not None:
+            part["uuid"] = uuid_
+        parts.append(part)
+    content: Any = [*parts, {"type": "text", "text": text}] if parts else text
+    return {"model": model, "messages": [{"role": "user", "content": content}],
+            "temperature": 0.0, "max_tokens": 16, **extra}
+
+
+def answer(base: str, request: dict[str, Any], timeout_s: float = 120) -> str:
+    """POST to base's chat route; the text of a 200 answer (anything else fails the test)."""
+    reply = httpx.post(f"{base}/v1/chat/completions", json=request, timeout=timeout_s)
+    assert reply.status_code == 200, reply.text
+    text = reply.json()["choices"][0]["message"]["content"]
+    assert text
+    return str(text)
+
+
+def streamed(base: str, request: dict[str, Any], timeout_s: float = 120) -> str:
+    """The text of a 200 stream that ends with [DONE] and has no error event."""
+    pieces = []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**request, "stream": True},
+                      timeout=timeout_s) as reply:
+        assert reply.status_code == 200, reply.read()
+        lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    for line in lines[:-1]:
+        event = json.loads(line.removeprefix("data: "))
+        assert "error" not in event, event
+        for choice in event["choices"]:
+            pieces.append(choice["delta"].get("content") or "")
+    return "".join(pieces)
+
+
+class Probe:
+    """What a running topology shows: URLs, `status --json`, proxy /health, log offsets."""
+
+    def __init__(self, run: TopologyRun) -> None:
+        self.run = run
+        specs = run.state().specs
+        self.urls = {s.name: f"http://127.0.0.1:{s.port}" for s in specs}
+        self.proxy = run.proxy_url
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        result = self.run.cli("status", "--json")
+        return {i["name"]: i for i in json.loads(result.stdout)["instances"]}
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        try:
+            reply = httpx.get(f"{self.proxy}/health", timeout=5)
+        except httpx.HTTPError:
+            return 0, {}
+        return reply.status_code, reply.json()
+
+    def encoders_out(self) -> list[str]:
+        return list(self.health()[1].get("roles", {}).get("encode", {}).get("out", []))
+
+    def pid(self, name: str) -> int:
+        return int(self.run.state().records[name].pid)
+
+    def mark(self, name: str) -> int:
+        """The current length of an instance's log: later checks look past it."""
+        return len(self.run.log(name))
+
+    def logged(self, name: str, since: int, text: str) -> bool:
+        return text in self.run.log(name)[since:]
+
+    def wait_logged(self, name: str, since: int, text: str, timeout_s: float = 10) -> bool:
+        return bool(wait_for(lambda: self.logged(name, since, text), timeout_s))
+
+    def tree_rss(self) -> dict[str, int]:
+        """Resident memory of each recorded process tree (engine workers included)."""
+        out = {}
+        for name, record in self.run.state().records.items():
+            try:
+                root = psutil.Process(record.pid)
+                procs = [root, *root.children(recursive=True)]
+                out[name] = sum(p.memory_info().rss for p in procs)
+            except psutil.Error:
+                out[name] = 0
+        return out

@@ -1,0 +1,289 @@
+"""Faults in real vLLM (tiny LLaVA, cpu-demo E|PD through `epdctl up -d`): nothing is lost.
+
+One topology for the module, with `restart: on-failure`. In order: the encoder hangs
+(SIGSTOP), the encoder is killed (SIGKILL) and restarted, the EC store fills up and holds a
+foreign entry, PD is killed mid-stream and restarted, and `down` still leaves nothing.
+
+Reference answers come from PD itself with the image and a uuid of its own (so nothing from
+the store can be used): PD encoding locally is the aggregated computation, and the first test
+checks it equals the E path's answer (which tests/e2e/test_cpu_demo.py checks against a
+separate aggregated server).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.topology_run import TopologyRun, check_down
+from tests.reliability.helpers import kill_group, wait_for
+from tests.reliability.realrun import (
+    Probe,
+    answer,
+    body,
+    debug_logs,
+    image,
+    store_root,
+    streamed,
+    topology,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+MODEL = "tiny-llava"
+ENCODE_TIMEOUT_S = 10
+RESTART_READY_S = 300
+
+
+@pytest.fixture(scope="module")
+def run(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TopologyRun]:
+    tmp = tmp_path_factory.mktemp("engine-faults")
+    with store_root(tmp) as (cache_dir, is_small):
+
+        def change(data: dict[str, Any]) -> None:
+            debug_logs(data)
+            data["restart"] = {"policy": "on-failure", "max_restarts": 2, "backoff": "1s"}
+            data["proxy"]["encode_timeout"] = ENCODE_TIMEOUT_S
+            if is_small:
+                data["cache"]["capacity"] = "2MiB"  # the tmpfs is 4 MiB
+
+        with topology("cpu-demo", tmp, tiny_llava, cache_dir, change) as running:
+            yield running
+
+
+@pytest.fixture(scope="module")
+def probe(run: TopologyRun) -> Probe:
+    return Probe(run)
+
+
+REFERENCES: dict[int, str] = {}
+
+
+def reference(probe: Probe, seed: int) -> str:
+    """PD's own answer for image `seed` under a private uuid (computed once, before faults)."""
+    if seed not in REFERENCES:
+        key, url = image(seed)
+        REFERENCES[seed] = answer(probe.urls["pd-0"], body(MODEL, urls=(url,),
+                                                           uuid_=f"ref-{key}"))
+    return REFERENCES[seed]
+
+
+def ask(probe: Probe, seed: int, *, stream: bool = False) -> str:
+    """Image `seed` through the proxy."""
+    _, url = image(seed)
+    request = body(MODEL, urls=(url,))
+    return streamed(probe.proxy, request) if stream else answer(probe.proxy, request)
+
+
+def wait_ready(probe: Probe, name: str, restarts: int) -> dict[str, Any]:
+    """`name` restarted `restarts` times and ready again, and the proxy's /health is ok."""
+    row = wait_for(lambda: (r := probe.status()[name])["state"] == "ready"
+                   and r["restarts"] == restarts and r, RESTART_READY_S, 1.0)
+    assert row, probe.status()[name]
+    assert wait_for(lambda: probe.health()[1].get("status") == "ok", 30), probe.health()
+    return dict(row)
+
+
+def test_references_equal_the_e_path(probe: Probe) -> None:
+    """Guards the references: PD's local answer equals E→store→PD's, and images matter."""
+    refs = [reference(probe, seed) for seed in range(1, 20)]
+    key, _ = image(1)
+    pd_at = probe.mark("pd-0")
+    assert ask(probe, 1) == refs[0]
+    assert probe.wait_logged("pd-0", pd_at, f"Success load encoder cache for hash {key}")
+    assert len(set(refs[:4])) == 4
+
+
+def test_hung_encoder(probe: Probe) -> None:
+    """SIGSTOP E: the in-flight request and new ones succeed through PD's local encode; the
+    proxy ejects E (and stops waiting for it), status says unhealthy; SIGCONT re-admits it."""
+    encoder = probe.pid("encode-0")
+    kill_group(encoder, signal.SIGSTOP)
+    try:
+        begin = time.monotonic()
+        assert ask(probe, 2) == reference(probe, 2)  # in flight at E when it hung
+        assert time.monotonic() - begin >= ENCODE_TIMEOUT_S * 0.9
+        assert wait_for(probe.encoders_out, 30), probe.health()
+        for seed, stream in ((3, False), (4, True)):
+            begin = time.monotonic()
+            assert ask(probe, seed, stream=stream) == reference(probe, seed)
+            assert time.monotonic() - begin < ENCODE_TIMEOUT_S / 2, "waited for the hung E"
+        assert probe.health()[1]["status"] == "degraded"
+        assert wait_for(lambda: probe.status()["encode-0"]["state"] == "unhealthy", 30, 1.0)
+    finally:
+        kill_group(encoder, signal.SIGCONT)
+    assert wait_for(lambda: probe.health()[1].get("status") == "ok", 30), probe.health()
+    key, _ = image(5)
+    e_at, pd_at = probe.mark("encode-0"), probe.mark("pd-0")
+    assert ask(probe, 5) == reference(probe, 5)
+    assert probe.wait_logged("encode-0", e_at, f"Finish execute for mm hash {key}")
+    assert probe.wait_logged("pd-0", pd_at, f"Success load encoder cache for hash {key}")
+    assert probe.status()["encode-0"]["restarts"] == 0
+
+
+def test_killed_encoder(probe: Probe) -> None:
+    """SIGKILL E's group mid-request: in-flight and new requests succeed, status and /health
+    show it out; the restart policy brings it back and the proxy sends it work again."""
+    old = probe.pid("encode-0")
+    with ThreadPoolExecutor(4) as pool:
+        inflight = [pool.submit(ask, probe, seed, stream=seed % 2 == 0) for seed in (6, 7, 8)]
+        time.sleep(0.05)
+        kill_group(old)
+        answers = [f.result(timeout=120) for f in inflight]
+    assert answers == [reference(probe, s) for s in (6, 7, 8)]
+    assert wait_for(lambda: probe.status()["encode-0"]["restarts"] == 1, 30, 0.5)
+    assert probe.status()["encode-0"]["state"] in ("backoff", "starting")
+    assert wait_for(probe.encoders_out, 30), probe.health()
+    assert probe.health()[0] == 200  # E is optional: degraded, not unavailable
+    for seed in (9, 10):
+        assert ask(probe, seed, stream=seed == 10) == reference(probe, seed)
+    row = wait_ready(probe, "encode-0", 1)
+    assert row["pid"] != old
+    key, _ = image(11)
+    e_at, pd_at = probe.mark("encode-0"), probe.mark("pd-0")
+    assert ask(probe, 11) == reference(probe, 11)
+    assert probe.wait_logged("encode-0", e_at, f"Finish execute for mm hash {key}")
+    assert probe.wait_logged("pd-0", pd_at, f"Success load encoder cache for hash {key}")
+
+
+def _fill(root: Path) -> Path:
+    """Write zeros into root until its filesystem is full (a real ENOSPC)."""
+    filler = root / "filler"
+    block = b"\0" * (64 << 10)
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+def _foreign_entry(run: TopologyRun, key: str, model_key: str) -> None:
+    """Put an entry for `key` with another namespace in its header where PD will look."""
+    from epdctl.cache._format import PAGE_BYTES, decode_header
+    from epdctl.cache.store import Store
+
+    ours = Store(run.cache_dir, run.state().namespace)
+    data = Path(ours.entry_path(model_key)).read_bytes()
+    header = decode_header(data[:PAGE_BYTES])
+    other = Store(run.cache_dir, "someone-else").create()
+    other.publish(key, data[header.data_offset:], dtype=header.dtype, shape=header.shape)
+    os.replace(other.entry_path(key), ours.entry_path(key))
+    shutil_rmtree(other.root)
+
+
+def shutil_rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_store_full_and_foreign_entry(run: TopologyRun, probe: Probe) -> None:
+    """E cannot save (tmpfs full, or its tmp dir is a file): answers stay right, PD encodes
+    locally, E and PD live on; an entry from another namespace is not used. Then it heals."""
+    from epdctl.cache.stats import read_stats
+    from epdctl.cache.store import Store
+
+    store = Store(run.cache_dir, run.state().namespace)
+    full_key, _ = image(12)
+    foreign_key, _ = image(13)
+    _foreign_entry(run, foreign_key, image(11)[0])
+    before = read_stats(store.root)[0]
+    is_small = run.cache_dir.name == "small-shm"
+    if is_small:
+        broken = _fill(run.cache_dir)
+    else:
+        os.rename(store.tmp, store.root / "tmp.aside")
+        broken = store.tmp
+        broken.write_bytes(b"a file where the store wants a directory")
+    e_at, pd_at = probe.mark("encode-0"), probe.mark("pd-0")
+    try:
+        assert ask(probe, 12) == reference(probe, 12)
+        assert ask(probe, 13, stream=True) == reference(probe, 13)
+        assert probe.wait_logged("encode-0", e_at, f"EC store: could not save {full_key}")
+        assert not store.has_entry(full_key)
+        assert probe.wait_logged("pd-0", pd_at, f"Finish execute for mm hash {full_key}")
+        assert probe.wait_logged("pd-0", pd_at, f"EC store miss for {foreign_key} (namespace")
+        assert probe.logged("pd-0", pd_at, f"Finish execute for mm hash {foreign_key}")
+    finally:
+        broken.unlink()
+        if not is_small:
+            os.rename(store.root / "tmp.aside", store.tmp)
+    status = probe.status()
+    assert all(r["state"] == "ready" for r in status.values()), status
+    assert status["pd-0"]["restarts"] == 0
+    key, _ = image(14)
+    pd_at = probe.mark("pd-0")
+    assert ask(probe, 14) == reference(probe, 14)
+    assert store.has_entry(key)
+    assert probe.wait_logged("pd-0", pd_at, f"Success load encoder cache for hash {key}")
+    # Counters that could not be flushed while the store was full are written now.
+    after = wait_for(lambda: (c := read_stats(store.root)[0])["invalid"] > before["invalid"]
+                     and c["save_failures"] > before["save_failures"] and c, 10)
+    assert after, read_stats(store.root)[0]
+
+
+def _long(stream: bool) -> dict[str, Any]:
+    """A text request that generates for a few seconds (no EOS can end it early)."""
+    return body(MODEL, text="Tell me a long story.", max_tokens=400, ignore_eos=True,
+                stream=stream)
+
+
+def _error_of(reply: httpx.Response) -> dict[str, Any]:
+    assert reply.headers["content-type"].startswith("application/json"), reply.headers
+    return dict(reply.json()["error"])
+
+
+def test_killed_pd(probe: Probe) -> None:
+    """SIGKILL PD's group mid-answer: a committed stream ends with an error event (no [DONE]),
+    a non-streamed request gets a JSON 502; new requests get a JSON 5xx at once, never a
+    hang; the restart policy brings PD back and answers are right again."""
+    url = f"{probe.proxy}/v1/chat/completions"
+    old = probe.pid("pd-0")
+    with ThreadPoolExecutor(1) as pool:
+        plain = pool.submit(httpx.post, url, json=_long(False), timeout=60)
+        with httpx.stream("POST", url, json=_long(True), timeout=60) as reply:
+            assert reply.status_code == 200
+            lines = reply.iter_lines()
+            head = [next(lines) for _ in range(3)]  # committed: content is flowing
+            kill_group(old)
+            tail = list(lines)
+        events = [line for line in [*head, *tail] if line.startswith("data: ")]
+        assert "data: [DONE]" not in events
+        last = json.loads(events[-1].removeprefix("data: "))
+        assert "error" in last and "prefill_decode" in last["error"]["message"], last
+        lost = plain.result(timeout=60)
+    assert lost.status_code == 502, lost.text
+    assert _error_of(lost)["code"] == "upstream_unavailable"
+
+    for request in (body(MODEL), body(MODEL, urls=(image(15)[1],), stream=True)):
+        begin = time.monotonic()
+        reply = httpx.post(url, json=request, timeout=60)
+        assert reply.status_code in (502, 503), reply.text
+        assert _error_of(reply)["message"]
+        assert time.monotonic() - begin < 15
+    assert wait_for(lambda: probe.health()[0] == 503, 30), probe.health()
+    assert probe.health()[1]["roles"]["pd"]["out"] == [probe.urls["pd-0"]]
+    assert wait_for(lambda: probe.status()["pd-0"]["restarts"] == 1, 30, 0.5)
+
+    row = wait_ready(probe, "pd-0", 1)
+    assert row["pid"] != old
+    assert ask(probe, 16) == reference(probe, 16)
+    assert ask(probe, 17, stream=True) == reference(probe, 17)
+    assert probe.status()["encode-0"]["restarts"] == 1  # only what we killed was restarted
+
+
+def test_down_leaves_nothing(run: TopologyRun) -> None:
+    """Last: restarted instances included, no process or group, store or shm file is left."""
+    check_down(run)
