@@ -221,15 +221,23 @@ def test_on_failure_restarts_then_gives_up(tmp_path, fake_topology, fake_proxy) 
     assert Path(log).read_text().count("--- epdctl start") == 2
 
 
-def test_janitor_runs_on_the_store_root(tmp_path, fake_topology, fake_proxy, monkeypatch) -> None:
+def test_janitor_keeps_the_namespace_budget_and_drops_stale_own_namespaces(
+    tmp_path, fake_topology, fake_proxy, monkeypatch
+) -> None:
     calls = []
 
     def enforce(root, **kwargs) -> None:
         calls.append((root, kwargs))
-        os.kill(os.getpid(), signal.SIGTERM)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr("epdctl.cache.janitor.enforce", enforce)
     sup = supervisor_for(tmp_path, fake_topology(cache="capacity: 1MiB, ttl: 60"))
+    store = Path(sup.state.store_dir)
+    root = store.parent
+    for ns in (f"{sup.state.name}-0123456789ab", "other-topology-0123456789ab", store.name):
+        (root / ns / "entries").mkdir(parents=True)
     assert sup.run() == 143
-    assert calls == [(tmp_path / "shm", {"capacity_bytes": 1 << 20, "ttl_s": 60.0,
-                                         "grace_s": 120.0})]
+    assert calls[0] == (store, {"capacity_bytes": 1 << 20, "ttl_s": 60.0, "grace_s": 120.0})
+    assert calls[1][0] == root
+    assert calls[1][1]["keep_namespaces"] == {"other-topology-0123456789ab", store.name}

@@ -144,6 +144,7 @@ def _detached(app: App, sdir: StateDir, state: RunState, fd: int, timeout_s: flo
 def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
        is_dry_run: bool) -> None:
     """Start a topology and wait until every instance is ready"""
+    from epdctl.cache.store import check_capacity
     from epdctl.ports import check_plan_ports
     from epdctl.state import StateDir
     from epdctl.topology import load_topology
@@ -159,6 +160,8 @@ def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
     try:
         _refuse_if_running(sdir)
         check_plan_ports(plan)
+        if "encode" in topology.roles:
+            check_capacity(topology.cache.dir, topology.cache.capacity)
         state = _initial_state(plan, topology, topology_path)
         sdir.write(state)
         if is_detached:

@@ -65,3 +65,14 @@ def test_bad_topology_is_exit_1(epdctl, tmp_path: Path) -> None:
     result = epdctl("up", str(tmp_path / "nope.yaml"))
     assert result.exit_code == 1
     assert result.stderr == f"Error: {tmp_path / 'nope.yaml'}: no such file\n"
+
+
+def test_store_smaller_than_the_cache_budget_is_refused(epdctl, fake_topology, state_root,
+                                                        tmp_path: Path) -> None:
+    topo = fake_topology(cache="capacity: 1000TiB")
+    result = epdctl("up", str(topo), "-d")
+    assert result.exit_code == 1
+    assert f"Error: the EC store `{tmp_path / 'shm'}` has " in result.stderr
+    assert "but the cache capacity is" in result.stderr
+    assert "lower cache.capacity" in result.stderr
+    assert not (state_root / "fake" / "logs").exists()
