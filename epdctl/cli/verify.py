@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.table import Table
-from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
 
@@ -19,7 +17,6 @@ if TYPE_CHECKING:
     from epdctl.plan import LaunchSpec
     from epdctl.state import StateDir
     from epdctl.topology import Topology
-    from epdctl.verify import Result
 
 
 def _specs(app: App, topology: Topology, sdir: StateDir) -> list[LaunchSpec]:
@@ -64,31 +61,6 @@ def _stop_topology(app: App, sdir: StateDir) -> None:
     sdir.finish(state)
 
 
-def _table(results: list[Result]) -> Table:
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("PROMPT", "OUTPUT", "EC CACHE", "TOPOLOGY", "BASELINE"):
-        table.add_column(column, no_wrap=True)
-    for r in results:
-        output = Text("equal", "green") if r.is_equal else Text(
-            "error" if r.topology.error or r.baseline.error else "DIFFERENT", "red")
-        cache = Text("-") if r.cache is None else Text(
-            f"{r.cache.verdict} {r.cache.hits}/{r.cache.keys}",
-            "green" if r.cache.hits and r.cache.is_ok else "" if r.cache.is_ok else "red")
-        table.add_row(Text(r.prompt.name), output, cache,
-                      *(Text(f"{a.latency_s * 1000:.0f} ms") for a in (r.topology, r.baseline)))
-    return table
-
-
-def _details(results: list[Result]) -> Text:
-    text = Text()
-    for r in results:
-        if not r.is_equal:
-            for who, a in (("topology", r.topology), ("baseline", r.baseline)):
-                said = f"error: {a.error}" if a.error else repr(a.text)
-                text.append(f"{r.prompt.name}: {who} {said}\n")
-    return text
-
-
 @click.command()
 @click.argument("topology_path", metavar="TOPOLOGY", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
@@ -107,6 +79,7 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     """Check a topology's answers against an aggregated baseline, with EC cache hits"""
     from epdctl import baseline as base
     from epdctl.cli._render import proxy_url
+    from epdctl.cli._verify_render import mismatches, verify_table
     from epdctl.errors import VerifyError
     from epdctl.launcher import stop_all
     from epdctl.state import StateDir
@@ -162,8 +135,8 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
-        app.out.print(_table(results))
-        app.out.print(_details(results), end="")
+        app.out.print(verify_table(results))
+        app.out.print(mismatches(results), end="")
     bad = [r.prompt.name for r in results if not r.is_ok]
     if bad:
         raise VerifyError(f"{len(bad)} of {len(results)} prompts failed: {', '.join(bad)}")

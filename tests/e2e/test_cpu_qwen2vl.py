@@ -60,7 +60,7 @@ def plain_proxy(qwen: tuple[TopologyRun, Server]) -> Iterator[str]:
     from epdctl.launcher import probe
 
     run, _ = qwen
-    specs = {s.name: s for s in run.state().specs}
+    specs = {s.name: s.spec() for s in run.state().specs}
     port = free_port()
     log = open(run.run_dir / "logs" / "plain-proxy.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
