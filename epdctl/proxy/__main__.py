@@ -36,11 +36,23 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--eject-after", type=int, default=3)
     p.add_argument("--no-metadata-rewrite", action="store_true")
+    p.add_argument("--ec-protocol", choices=("shared", "mooncake"), default="shared",
+                   help="mooncake: pick PD first and have E push into it (vLLM's "
+                        "ECMooncakeConnector, E|PD only)")
+    p.add_argument("--ec-consumer", action="append", default=[], metavar="URL=ZMQ",
+                   help="a --pd URL and its Mooncake control socket, e.g. "
+                        "http://pd-0:8000=tcp://pd-0:14579; one per --pd")
     p.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
                    help="upstream HTTP client (see benchmarks/proxy.py)")
     p.add_argument("--api-key", default=os.environ.get("EPDCTL_PROXY_API_KEY") or None,
                    help="default: $EPDCTL_PROXY_API_KEY")
     a = p.parse_args(argv)
+    consumers = []
+    for pair in a.ec_consumer:
+        url, sep, address = pair.rpartition("=")  # a control address has no `=`
+        if not (sep and url and address):
+            p.error(f"--ec-consumer {pair}: expected URL=tcp://host:port")
+        consumers.append((url, address))
     try:
         config = ProxyConfig(
             models=tuple(a.model), encode=tuple(a.encode), pd=tuple(a.pd),
@@ -50,7 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int
             max_inflight=a.max_inflight, max_body_bytes=a.max_body_bytes,
             media_fetch_timeout_s=a.media_fetch_timeout, health_interval_s=a.health_interval,
             eject_after=a.eject_after, metadata_rewrite=not a.no_metadata_rewrite,
-            api_key=a.api_key,
+            api_key=a.api_key, ec_protocol=a.ec_protocol, ec_consumers=tuple(consumers),
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -72,9 +84,10 @@ async def serve(config: ProxyConfig, host: str, port: int, client_kind: str = "a
             log_level="warning", timeout_keep_alive=30, backlog=4096))
         health = asyncio.create_task(app.state.proxy.run_health_checks())
         log.info("proxy on http://%s:%d mode=%s encode=%s pd=%s prefill=%s decode=%s "
-                 "rewrite=%s auth=%s client=%s", host, port, config.mode, list(config.encode),
-                 list(config.pd), list(config.prefill), list(config.decode),
-                 config.metadata_rewrite, "on" if config.api_key else "off", client_kind)
+                 "rewrite=%s ec=%s auth=%s client=%s", host, port, config.mode,
+                 list(config.encode), list(config.pd), list(config.prefill), list(config.decode),
+                 config.metadata_rewrite, config.ec_protocol,
+                 "on" if config.api_key else "off", client_kind)
         if not config.api_key and host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s without an API key: anyone who can reach it can use "
                         "the model (set proxy.api_key)", host)

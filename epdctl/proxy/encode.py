@@ -5,14 +5,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import CHAT, MediaItem, dumps, encoder_body, upstream_headers
+from epdctl.proxy.routing import (
+    CHAT,
+    MediaItem,
+    dumps,
+    encoder_body,
+    push_body,
+    upstream_headers,
+)
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Pool
 
@@ -20,8 +29,25 @@ log = logging.getLogger("epdctl.proxy")
 Reported = dict[str, tuple[str, dict[str, Any]]]
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """What the E stage produced, per item uuid; items that failed are absent."""
+
+    reported: Reported = field(default_factory=dict)
+    """uuid -> (E's key for the item, its metadata)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """E's ec_transfer_params entries by E's key, for PD."""
+    transfer_ids: dict[str, str] = field(default_factory=dict)
+    """uuid -> the Mooncake transfer_id E pushed it under (only with a consumer)."""
+    problems: dict[str, str] = field(default_factory=dict)
+    """uuid -> why E could not encode it."""
+
+
 class Encoder:
-    """Fans media out to the encode pool; a failed item falls back to raw media on PD."""
+    """Fans media out to the encode pool; a failed item falls back to raw media on PD.
+
+    With Mooncake there is no fallback: the caller gets the failures and answers for them.
+    """
 
     def __init__(self, config: ProxyConfig, pool: Pool, client: Upstream,
                  metrics: Metrics) -> None:
@@ -30,59 +56,75 @@ class Encoder:
         self.client = client
         self.metrics = metrics
 
-    async def run(self, body: dict[str, Any], items: list[MediaItem],
-                  trace: Trace) -> tuple[Reported, dict[str, Any]]:
-        """E's (key, metadata) per item uuid, and its ec_transfer_params for PD."""
+    async def run(self, body: dict[str, Any], items: list[MediaItem], trace: Trace,
+                  consumer_zmq: str | None = None) -> Encoded:
+        """Encode every distinct item; with `consumer_zmq`, E pushes each one there (Mooncake).
+
+        Without a consumer a failed item is a fallback (PD encodes it); with one it is not:
+        a Mooncake consumer cannot encode, so the caller decides what a failure means.
+        """
         unique: dict[str, MediaItem] = {}
         for item in items:
             if item.uuid is not None:
                 unique.setdefault(item.uuid, item)
         if not unique:
-            return {}, {}
-        if not self.pool.healthy:
+            return Encoded()
+        if not self.pool.healthy and consumer_zmq is None:
             # Every encoder is ejected (dead or hung): PD encodes at once, instead of each
             # request waiting out a refused connection or encode_timeout on it. The health
             # loop re-admits an encoder on its first good probe.
             trace.notes.append("encoders_out=1")
             trace.fallbacks.extend("encoder" for _ in unique)
             self.metrics.fallbacks.labels("encoder").inc(len(unique))
-            return {}, {}
+            return Encoded()
         self.metrics.fanout.observe(len(unique))
         started = time.perf_counter()
-        results: dict[str, tuple[str, dict[str, Any], dict[str, Any]] | None] = {}
+        results: dict[str, tuple[str, dict[str, Any], dict[str, Any], str | None] | str] = {}
         try:
             # A deadline for the whole stage: whatever is unfinished falls back to PD.
             async with asyncio.timeout(self.config.encode_timeout_s):
                 if len(unique) == 1:  # the common case needs no task of its own
-                    await self._one(body, next(iter(unique.values())), 0, trace, results)
+                    await self._one(body, next(iter(unique.values())), 0, trace, results,
+                                    consumer_zmq)
                 else:
                     async with asyncio.TaskGroup() as tg:
                         for n, item in enumerate(unique.values()):
-                            tg.create_task(self._one(body, item, n, trace, results))
+                            tg.create_task(self._one(body, item, n, trace, results,
+                                                     consumer_zmq))
         except TimeoutError:
             trace.notes.append("encode_timeout=1")
         self.metrics.stage["encode"].observe(trace.timed("encode", started))
-        reported: Reported = {}
-        params: dict[str, Any] = {}
+        out = Encoded()
         for key in unique:
             result = results.get(key)
-            if result is None:
-                trace.fallbacks.append("encoder")
-                self.metrics.fallbacks.labels("encoder").inc()
+            if not isinstance(result, tuple):
+                out.problems[key] = result or "no answer in time"
+                if consumer_zmq is None:
+                    trace.fallbacks.append("encoder")
+                    self.metrics.fallbacks.labels("encoder").inc()
                 continue
-            e_key, metadata, entry = result
-            reported[key] = (e_key, metadata)
+            e_key, metadata, entry, transfer_id = result
+            out.reported[key] = (e_key, metadata)
             if entry:
-                params[e_key] = entry
-        return reported, params
+                out.params[e_key] = entry
+            if transfer_id is not None:
+                out.transfer_ids[key] = transfer_id
+        return out
 
     async def _one(self, body: dict[str, Any], item: MediaItem, n: int, trace: Trace,
-                   results: dict[str, Any]) -> None:
+                   results: dict[str, Any], consumer_zmq: str | None = None) -> None:
         """Send one item, retrying once on another encoder; never raises."""
-        payload = dumps(encoder_body(body, item))
+        request = encoder_body(body, item)
+        payload = dumps(request)
         headers = upstream_headers(f"{trace.rid}:enc{n}")
         avoid = None
+        transfer_id = None
         for attempt in range(2):
+            if consumer_zmq:
+                # A fresh id per attempt: an attempt that failed may still have pushed, and
+                # a consumer refuses an id that already names a transfer.
+                transfer_id = os.urandom(16).hex()
+                payload = dumps(push_body(request, consumer_zmq, transfer_id))
             inst = avoid = self.pool.pick(avoid)
             inst.outstanding += 1
             try:
@@ -96,7 +138,7 @@ class Encoder:
                 problem, is_retryable = str(exc), exc.kind != "timeout"
             else:
                 if reply.status == 200:
-                    results[item.uuid or ""] = _parse(data, item.uuid or "")
+                    results[item.uuid or ""] = (*_parse(data, item.uuid or ""), transfer_id)
                     return
                 problem = f"encode instance {inst.url}: HTTP {reply.status}: {data[:200]!r}"
                 is_retryable = reply.status >= 500
@@ -106,8 +148,9 @@ class Encoder:
                 break
             trace.retries += 1
             self.metrics.retries.labels("encode").inc()
-        log.warning("rid=%s:enc%d encoder failed, PD will encode it: %s", trace.rid, n, problem)
-        results[item.uuid or ""] = None
+        then = "giving up" if consumer_zmq else "PD will encode it"
+        log.warning("rid=%s:enc%d encoder failed, %s: %s", trace.rid, n, then, problem)
+        results[item.uuid or ""] = problem
 
 
 def _parse(data: bytes, uuid: str) -> tuple[str, dict[str, Any], dict[str, Any]]:

@@ -108,7 +108,13 @@ class Generator:
             as_dict = body if isinstance(body, dict) else json.loads(body)
             kv = await self._prefill(route, as_dict, trace, avoid.get("prefill"))
             body = decode_body(as_dict, kv)
-        return await self._decode(route, body, is_stream, trace, avoid.get(self.decode_stage))
+        inst = self.decode_pool.pick(avoid.get(self.decode_stage))
+        return await self._decode(route, body, is_stream, trace, inst)
+
+    async def answer_from(self, inst: Instance, route: str, body: dict[str, Any],
+                          is_stream: bool, trace: Trace) -> Answer:
+        """One attempt on a PD instance the caller chose (Mooncake picks PD before E)."""
+        return await self._decode(route, body, is_stream, trace, inst)
 
     async def _prefill(self, route: str, body: dict[str, Any], trace: Trace,
                        avoid: Instance | None) -> object:
@@ -145,10 +151,9 @@ class Generator:
             return None
 
     async def _decode(self, route: str, body: dict[str, Any] | bytes, is_stream: bool,
-                      trace: Trace, avoid: Instance | None) -> Answer:
+                      trace: Trace, inst: Instance) -> Answer:
         """D's (or PD's) answer; a stream is committed only after its first content."""
         stage = self.decode_stage
-        inst = self.decode_pool.pick(avoid)
         trace.instances[stage] = inst.url
         headers = upstream_headers(f"{trace.rid}:decode")
         payload = body if isinstance(body, bytes) else dumps(body)

@@ -16,6 +16,7 @@ from epdctl.proxy.errors import JSON_TYPE, ProxyError
 from epdctl.proxy.generate import Answer, Generator, StageFailed
 from epdctl.proxy.media import assign_uuids
 from epdctl.proxy.metrics import Metrics, outcome_of
+from epdctl.proxy.mooncake import MooncakeRoute
 from epdctl.proxy.routing import (
     CHAT,
     find_media,
@@ -66,6 +67,9 @@ class Proxy:
         encode_pool = self.upstreams.pools.get("encode")
         self.encoder = Encoder(config, encode_pool, client, self.metrics) if encode_pool else None
         self.generator = Generator(config, self.upstreams, client, self.metrics)
+        self.mooncake = None
+        if self.encoder is not None and config.ec_protocol == "mooncake":
+            self.mooncake = MooncakeRoute(config, self.encoder, self.generator, self.metrics)
         self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
 
     def is_authorized(self, scope: Scope) -> bool:
@@ -169,12 +173,14 @@ class Proxy:
             trace.items = len(items)
             await assign_uuids(items, self.client, self.config.media_fetch_timeout_s,
                                self.config.max_body_bytes)
-            reported, params = await self.encoder.run(body, items, trace)
-            first = second = with_ec_params(with_keys(body, items), params)
+            if self.mooncake is not None:
+                return await self.mooncake.run(route, body, items, is_stream, trace)
+            encoded = await self.encoder.run(body, items, trace)
+            first = second = with_ec_params(with_keys(body, items), encoded.params)
             if self.config.metadata_rewrite:
-                rewritten = rewrite_media(body, items, reported)
+                rewritten = rewrite_media(body, items, encoded.reported)
                 if rewritten is not None:
-                    first, is_rewritten = with_ec_params(rewritten, params), True
+                    first, is_rewritten = with_ec_params(rewritten, encoded.params), True
         return await self.generator.run(route, first, second, is_rewritten, is_stream, trace)
 
     def _finish(self, trace: Trace, status: int | str) -> None:

@@ -160,6 +160,16 @@ def encoder_body(body: dict[str, Any], item: MediaItem) -> dict[str, Any]:
     return out
 
 
+def push_body(request: dict[str, Any], consumer_zmq: str, transfer_id: str) -> dict[str, Any]:
+    """E's one-item body for Mooncake: push the encoding to this consumer under this id.
+
+    vLLM's producer matches `ec_items` to the request's items by position; the key is left
+    out because the engine may fold mm kwargs into it (mooncake/scheduler.py).
+    """
+    params = {"consumer_zmq": consumer_zmq, "ec_items": [{"transfer_id": transfer_id}]}
+    return {**request, "ec_transfer_params": params}
+
+
 def flat_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     """One flat list per field: PD rejects the nested `[[1, 4, 4]]` form."""
     out = {}

@@ -1,0 +1,108 @@
+"""E|PD over vLLM's ECMooncakeConnector: pick PD first, then E pushes every item into it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from epdctl.proxy.config import ProxyConfig
+from epdctl.proxy.encode import Encoded, Encoder
+from epdctl.proxy.errors import ProxyError, bad_request
+from epdctl.proxy.generate import Answer, Generator, StageFailed
+from epdctl.proxy.metrics import Metrics
+from epdctl.proxy.routing import MediaItem, rewrite_media, with_ec_params, with_keys
+from epdctl.proxy.trace import Trace
+from epdctl.proxy.upstreams import Instance
+
+
+def consumer_items(items: list[MediaItem], encoded: Encoded) -> list[dict[str, str]]:
+    """PD's `ec_items`: one per media part, in request order, naming the push to wait for.
+
+    `mm_hash` is E's reported key, which PD's own key equals (same uuid, same kwargs). When E
+    reported none it is left out, and vLLM matches the entry by position instead.
+    """
+    out = []
+    for it in items:
+        uuid = it.uuid or ""
+        key = encoded.reported[uuid][0]
+        entry = {"transfer_id": encoded.transfer_ids[uuid]}
+        out.append({"mm_hash": key, **entry} if key in encoded.params else entry)
+    return out
+
+
+def consumer_body(body: dict[str, Any], items: list[MediaItem], encoded: Encoded,
+                  should_rewrite: bool) -> tuple[dict[str, Any], bool]:
+    """PD's body (embeds metadata if possible, else keyed media) and whether it was rewritten."""
+    params = {**encoded.params, "ec_items": consumer_items(items, encoded)}
+    if should_rewrite:
+        rewritten = rewrite_media(body, items, encoded.reported)
+        if rewritten is not None:
+            return with_ec_params(rewritten, params), True
+    return with_ec_params(with_keys(body, items), params), False
+
+
+class MooncakeRoute:
+    """Requests with media under `--ec-protocol mooncake`.
+
+    A Mooncake consumer cannot encode media itself: it waits up to `push_wait_timeout_s`
+    (60 s) for each item's push and then fails the request. So there is no raw-media
+    fallback here: an item E cannot encode fails the request at once (502), and a retry on
+    another PD re-runs E for that PD under fresh transfer ids.
+    """
+
+    def __init__(self, config: ProxyConfig, encoder: Encoder, generator: Generator,
+                 metrics: Metrics) -> None:
+        self.config = config
+        self.encoder = encoder
+        self.generator = generator
+        self.metrics = metrics
+
+    async def run(self, route: str, body: dict[str, Any], items: list[MediaItem],
+                  is_stream: bool, trace: Trace) -> Answer:
+        """Pick PD, encode for it, send; on a retryable failure do it all again elsewhere."""
+        unkeyed = [n for n, it in enumerate(items) if it.uuid is None]
+        if unkeyed:
+            raise bad_request(
+                f"media item #{unkeyed[0]} has no content key (only data: and http(s) URLs "
+                "get one): give it a `uuid`, since every item must go through the encoder",
+                "messages")
+        should_rewrite = self.config.metadata_rewrite
+        avoid: Instance | None = None
+        for attempt in range(2):
+            inst = self.generator.decode_pool.pick(avoid)
+            encoded = await self._encode_for(inst, body, items, trace)
+            pd_body, is_rewritten = consumer_body(body, items, encoded, should_rewrite)
+            try:
+                return await self.generator.answer_from(inst, route, pd_body, is_stream, trace)
+            except StageFailed as failed:
+                if attempt == 0 and is_rewritten and (failed.error is None
+                                                      or failed.is_retryable):
+                    # PD may have refused the embeds parts: resend the media, pushed again.
+                    should_rewrite = False
+                    trace.fallbacks.append("rewrite")
+                    self.metrics.fallbacks.labels("rewrite").inc()
+                elif attempt == 0 and failed.is_retryable:
+                    trace.retries += 1
+                    self.metrics.retries.labels(failed.stage).inc()
+                else:
+                    raise
+                avoid = inst
+        raise AssertionError("unreachable")
+
+    async def _encode_for(self, inst: Instance, body: dict[str, Any], items: list[MediaItem],
+                          trace: Trace) -> Encoded:
+        """E pushes every item to `inst`'s control socket; any failure fails the request."""
+        # The request is PD's from now on (its pushes reserve PD memory): count it there.
+        inst.outstanding += 1
+        try:
+            consumer = self.config.consumer_zmq(inst.url)
+            encoded = await self.encoder.run(body, items, trace, consumer)
+        finally:
+            inst.outstanding -= 1
+        if encoded.problems:
+            trace.notes.append(f"encode_failed={len(encoded.problems)}")
+            problem = next(iter(encoded.problems.values()))
+            raise ProxyError(
+                502, f"the encoder could not encode {len(encoded.problems)} media item(s), "
+                f"and a Mooncake PD cannot encode them itself: {problem}",
+                type_="upstream_error", code="encoder_failed")
+        return encoded
