@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +43,12 @@ class EngineRole:
     nodes: int = 1
     """Pods per replica; more than 1 means tensor parallelism across nodes (LWS)."""
 
-    def pod_url(self, replica: int) -> str:
+    def pod_host(self, replica: int) -> str:
         """The stable per-pod DNS name: StatefulSet and LWS leaders share the scheme."""
-        return f"http://{self.name}-{replica}.{self.name}:{HTTP_PORT}"
+        return f"{self.name}-{replica}.{self.name}"
+
+    def pod_url(self, replica: int) -> str:
+        return f"http://{self.pod_host(replica)}:{HTTP_PORT}"
 
 
 def labels(topology: Topology, role: str | None = None) -> dict[str, str]:
@@ -196,8 +199,8 @@ def api_key_secret(topology: Topology) -> Obj:
     }
 
 
-def _proxy_argv(spec: LaunchSpec, urls: Mapping[str, str]) -> list[str]:
-    argv = ["python3", *spec.argv[1:]]
+def _proxy_argv(spec: LaunchSpec, urls: Mapping[str, str], extra: Sequence[str]) -> list[str]:
+    argv = ["python3", *spec.argv[1:], *extra]
     for i, arg in enumerate(argv[:-1]):
         if arg == "--host":
             argv[i + 1] = "0.0.0.0"
@@ -207,7 +210,8 @@ def _proxy_argv(spec: LaunchSpec, urls: Mapping[str, str]) -> list[str]:
 
 
 def proxy_objects(
-    topology: Topology, spec: LaunchSpec, urls: Mapping[str, str], image: str
+    topology: Topology, spec: LaunchSpec, urls: Mapping[str, str], image: str,
+    extra_args: Sequence[str] = (),
 ) -> list[Obj]:
     """The proxy's Deployment and its ClusterIP Service on proxy.port."""
     name = f"{topology.name}-proxy"
@@ -218,7 +222,7 @@ def proxy_objects(
     container: Obj = {
         "name": "proxy",
         "image": image,
-        "command": [a.replace("$(", "$$(") for a in _proxy_argv(spec, urls)],
+        "command": [a.replace("$(", "$$(") for a in _proxy_argv(spec, urls, extra_args)],
         "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},

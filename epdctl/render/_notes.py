@@ -25,9 +25,10 @@ def _ec_notes(topology: Topology, options: K8sOptions) -> list[str]:
         lines += [
             "ECMooncakeConnector: mooncake_protocol tcp (set rdma where pods have RDMA NICs); "
             "each pod's control socket is $(POD_IP):14579; encode must keep tensor_parallel 1.",
-            "NOT YET WORKING: Mooncake needs the proxy to assign a transfer_id per media item and "
-            "to tell E each consumer's control socket; epdctl's proxy does not speak that "
-            "protocol yet, so encoder outputs will not reach P/PD until it does.",
+            "The proxy runs --ec-protocol mooncake: it picks the PD pod first, then E pushes "
+            "each media item to that pod's control socket (<pod DNS name>:14579) under a fresh "
+            "transfer_id; PD cannot encode media itself, so an encoder failure is a 502. "
+            "Checked against fake engines only: not yet run on a cluster.",
         ]
     elif name == "ECCPUConnector":
         lines.append(

@@ -154,6 +154,15 @@ def _check(topology: Topology, options: K8sOptions) -> None:
             "cross nodes; pick a network connector such as ECMooncakeConnector"
         )
     encode = topology.roles.get("encode")
+    is_split = "prefill" in topology.roles or "decode" in topology.roles
+    if options.ec_connector == "ECMooncakeConnector" and encode and is_split:
+        # vLLM's example proxy refuses P|D too: a push lands on the one consumer named
+        # before E runs, and its consumer routing is defined for E+PD only.
+        raise RenderError(
+            f"`{topology.name}` is E|P|D: ECMooncakeConnector works with E|PD only (vLLM's "
+            "Mooncake consumer routing does not cover P|D); render it with "
+            "--ec-connector ECCPUConnector"
+        )
     if options.ec_connector == "ECMooncakeConnector" and encode and encode.tensor_parallel > 1:
         raise RenderError(
             f"roles -> encode -> tensor_parallel: ECMooncakeConnector producers need 1, "
@@ -188,11 +197,24 @@ def render_k8s(topology: Topology, source_text: str, options: K8sOptions) -> Ren
         objects.append(m.api_key_secret(topology))
     for role in roles:
         objects += m.engine_objects(topology, role, options.image)
-    objects += m.proxy_objects(topology, local.proxy, urls, options.image)
+    objects += m.proxy_objects(topology, local.proxy, urls, options.image,
+                               _mooncake_args(topology, roles, options))
     if options.namespace:
         for obj in objects:
             obj["metadata"]["namespace"] = options.namespace
     return Rendering(objects=tuple(objects), notes=tuple(_notes(topology, roles, options, local)))
+
+
+def _mooncake_args(topology: Topology, roles: list[m.EngineRole], options: K8sOptions) -> list[str]:
+    """Proxy flags for Mooncake: every PD pod's URL paired with its control socket."""
+    pd = next((r for r in roles if r.role == "prefill_decode"), None)
+    if options.ec_connector != "ECMooncakeConnector" or "encode" not in topology.roles or not pd:
+        return []
+    args = ["--ec-protocol", "mooncake"]
+    for i in range(pd.replicas):
+        # E connects by DNS name; the PD pod binds ec_ip = its pod IP, which that name resolves to.
+        args += ["--ec-consumer", f"{pd.pod_url(i)}=tcp://{pd.pod_host(i)}:{MOONCAKE_PORT}"]
+    return args
 
 
 def _redacted(topology: Topology, source_text: str) -> str:

@@ -33,7 +33,7 @@ def test_stdout_is_one_valid_stream_and_notes_go_to_stderr(epdctl, tmp_path: Pat
         validate(doc)
     assert docs[0]["data"]["topology.yaml"] == TOPOLOGY
     assert result.stdout.startswith("# Rendered by `epdctl render k8s` from demo.yaml.\n")
-    assert "note: NOT YET WORKING: Mooncake needs the proxy" in result.stderr
+    assert "note: The proxy runs --ec-protocol mooncake: it picks the PD pod first" in result.stderr
     assert "note:" not in result.stdout
 
 

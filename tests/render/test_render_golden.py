@@ -24,7 +24,8 @@ CASES: list[tuple[str, Path, tuple[str, ...]]] = [
     (f"fixture-{p.stem}", p, ()) for p in sorted((HERE / "topologies").glob("*.yaml"))
 ] + [
     ("fixture-e-p-d.gpn2", HERE / "topologies" / "e-p-d.yaml",
-     ("--gpus-per-node", "2", "--namespace", "epd", "--image", "registry.local/epd:1")),
+     ("--gpus-per-node", "2", "--namespace", "epd", "--image", "registry.local/epd:1",
+      "--ec-connector", "ECCPUConnector")),
     ("fixture-e-pd.eccpu", HERE / "topologies" / "e-pd.yaml", ("--ec-connector", "ECCPUConnector")),
 ]
 

@@ -22,7 +22,14 @@ E_P_D = {
 }
 
 
+E_PD = {"name": "vl", "model": "m/vl",
+        "roles": {"encode": {}, "prefill_decode": {"replicas": 2}}}
+CPU_EC = "ECCPUConnector"  # E|P|D cannot use the default Mooncake connector
+
+
 def _render(data: dict[str, Any] | None = None, **options: Any):
+    if data is None:
+        options.setdefault("ec_connector", CPU_EC)
     topology = parse_topology(data or E_P_D)
     return render_k8s(topology, "name: x\n", K8sOptions(**options))
 
@@ -50,9 +57,8 @@ def test_engine_argv_is_the_local_plans_with_cluster_host_port_and_connectors() 
     assert _flag(argv, "--dtype") == "bfloat16"
     assert argv.count("--host") == 1 and argv.count("--port") == 1
     ec = json.loads(_flag(argv, "--ec-transfer-config"))
-    assert ec == {"ec_connector": "ECMooncakeConnector", "ec_role": "ec_consumer",
-                  "engine_id": "$(POD_NAME)", "ec_ip": "$(POD_IP)", "ec_port": 14579,
-                  "ec_connector_extra_config": {"mooncake_protocol": "tcp"}}
+    assert ec == {"ec_connector": CPU_EC, "ec_role": "ec_consumer", "engine_id": "$(POD_NAME)",
+                  "ec_connector_extra_config": {"ec_cpu_bytes": 8 << 30, "ec_enable_nixl": True}}
     kv = json.loads(_flag(argv, "--kv-transfer-config"))
     assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
     env = {e["name"]: e for e in prefill["env"]}
@@ -122,7 +128,7 @@ def test_gpus_per_node_makes_a_leader_worker_set_for_wide_tp() -> None:
 def test_api_key_goes_to_a_secret_not_the_config_map() -> None:
     data = {**E_P_D, "proxy": {"api_key": "k3y"}}
     text = "name: epd\nproxy:\n  api_key: k3y\n"
-    rendering = render_k8s(parse_topology(data), text, K8sOptions())
+    rendering = render_k8s(parse_topology(data), text, K8sOptions(ec_connector=CPU_EC))
     assert "k3y" not in _by(rendering, "ConfigMap")["epd-topology"]["data"]["topology.yaml"]
     assert _by(rendering, "Secret")["epd-proxy-api-key"]["stringData"] == {"api-key": "k3y"}
     env = _container(_by(rendering, "Deployment")["epd-proxy"])["env"]
@@ -138,9 +144,10 @@ def test_api_key_goes_to_a_secret_not_the_config_map() -> None:
          "roles -> encode -> tensor_parallel: ECMooncakeConnector producers need 1, not 2"),
         ({}, {"ec_connector": "EpdctlShmECConnector"},
          "--ec-connector EpdctlShmECConnector: epdctl's shared-memory store does not cross"),
-        ({}, {"gpus_per_node": 3},
+        ({}, {"gpus_per_node": 3, "ec_connector": CPU_EC},
          "roles -> decode -> tensor_parallel: 4 does not split into nodes of 3 GPU(s)"),
         ({"name": "9lives"}, {}, "name: `9lives` must start with a letter"),
+        ({}, {}, "`epd` is E|P|D: ECMooncakeConnector works with E|PD only"),
     ],
 )
 def test_what_cannot_run_on_a_cluster_is_refused(change, options, message) -> None:
@@ -172,3 +179,34 @@ def test_pd_topology_without_encoder_has_no_ec_config_or_notes() -> None:
 def test_pop_flags_handles_both_spellings() -> None:
     rest, found = _pop_flags(["a", "--port", "1", "--host=h", "b"], ("--port", "--host"))
     assert rest == ["a", "b"] and found == {"--port": "1", "--host": "h"}
+
+
+def test_mooncake_consumers_and_the_proxy_flags_that_name_their_control_sockets() -> None:
+    rendering = _render(E_PD)
+    pods = _by(rendering, "StatefulSet")
+    pd = _container(pods["vl-pd"])
+    ec = json.loads(_flag(pd["command"], "--ec-transfer-config"))
+    assert ec == {"ec_connector": "ECMooncakeConnector", "ec_role": "ec_consumer",
+                  "engine_id": "$(POD_NAME)", "ec_ip": "$(POD_IP)", "ec_port": 14579,
+                  "ec_connector_extra_config": {"mooncake_protocol": "tcp"}}
+    assert {"name": "ec-control", "containerPort": 14579} in pd["ports"]
+    argv = _container(_by(rendering, "Deployment")["vl-proxy"])["command"]
+    assert _flag(argv, "--ec-protocol") == "mooncake"
+    pairs = [argv[i + 1] for i, a in enumerate(argv) if a == "--ec-consumer"]
+    assert pairs == ["http://vl-pd-0.vl-pd:8000=tcp://vl-pd-0.vl-pd:14579",
+                     "http://vl-pd-1.vl-pd:8000=tcp://vl-pd-1.vl-pd:14579"]
+    # The pairs name exactly the --pd URLs the proxy routes to: it refuses to start otherwise.
+    pd_urls = [argv[i + 1] for i, a in enumerate(argv) if a == "--pd"]
+    assert [p.split("=", 1)[0] for p in pairs] == pd_urls
+    from epdctl.proxy.__main__ import parse_args
+
+    config = parse_args(argv[3:])[0]
+    assert config.consumer_zmq(pd_urls[1]) == "tcp://vl-pd-1.vl-pd:14579"
+    assert not any("NOT YET WORKING" in n for n in rendering.notes)
+    assert any("--ec-protocol mooncake" in n for n in rendering.notes)
+
+
+def test_other_connectors_leave_the_proxy_on_the_shared_protocol() -> None:
+    argv = _container(_by(_render(E_PD, ec_connector=CPU_EC), "Deployment")["vl-proxy"])[
+        "command"]
+    assert "--ec-protocol" not in argv and "--ec-consumer" not in argv
