@@ -12,7 +12,10 @@ from epdctl.cli._app import App, pass_app
 
 # Kept here rather than imported so `--help` does not load the planner.
 DEFAULT_IMAGE = "vllm/vllm-openai:latest"
-DEFAULT_EC_CONNECTOR = "ECMooncakeConnector"
+# E|PD: Mooncake (the proxy speaks its transfer-id protocol). E|P|D: Mooncake's consumer
+# routing does not cover P|D, so ECCPUConnector (NIXL pull; the proxy forwards E's params).
+EC_CONNECTOR_E_PD = "ECMooncakeConnector"
+EC_CONNECTOR_E_P_D = "ECCPUConnector"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -35,8 +38,9 @@ def render() -> None:
               help="Set metadata.namespace (default: none, so `kubectl -n` decides).")
 @click.option("--image", default=DEFAULT_IMAGE, show_default=True,
               help="Container image for engines and proxy; it must include epdctl.")
-@click.option("--ec-connector", default=DEFAULT_EC_CONNECTOR, show_default=True,
-              help="vLLM EC connector that moves encoder outputs between pods.")
+@click.option("--ec-connector",
+              help=f"vLLM EC connector that moves encoder outputs between pods "
+              f"[default: {EC_CONNECTOR_E_PD} for E|PD, {EC_CONNECTOR_E_P_D} for E|P|D].")
 @click.option("--gpus-per-node", type=click.IntRange(min=1),
               help="GPUs per node; a role with more tensor_parallel becomes a LeaderWorkerSet "
               "spanning nodes.")
@@ -47,7 +51,7 @@ def k8s(
     out_dir: Path | None,
     namespace: str | None,
     image: str,
-    ec_connector: str,
+    ec_connector: str | None,
     gpus_per_node: int | None,
 ) -> None:
     """Render Kubernetes manifests (StatefulSets, Services, proxy, ConfigMap) for TOPOLOGY
@@ -61,6 +65,9 @@ def k8s(
     from epdctl.topology import load_topology
 
     topology = load_topology(topology_path)
+    if ec_connector is None:
+        is_split = "prefill" in topology.roles
+        ec_connector = EC_CONNECTOR_E_P_D if is_split else EC_CONNECTOR_E_PD
     text = topology_path.read_text(encoding="utf-8")
     options = K8sOptions(namespace=namespace, image=image, ec_connector=ec_connector,
                          gpus_per_node=gpus_per_node)
