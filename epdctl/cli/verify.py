@@ -94,13 +94,15 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     gpus = None if baseline_url else base.parse_gpus(topology.device, baseline_gpus)
     baseline: tuple[LaunchSpec, Proc] | None = None
     is_started = False
+    is_running = sdir.is_running()
+    if is_running:
+        _check_running(sdir)
     try:
         if baseline_url is None:
             baseline = base.start(_specs(app, topology, sdir), sdir.path, gpus)
             app.err.print(f"Starting the baseline on port {baseline[0].port} "
                           f"(log {baseline[0].log_path})", markup=False)
-        if sdir.is_running():
-            _check_running(sdir)
+        if is_running:
             app.err.print(f"{topology.name} is running already: verifying it", markup=False)
         else:
             _up(app, topology_path, timeout_s)

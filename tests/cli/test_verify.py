@@ -263,3 +263,19 @@ def test_cuda_needs_a_baseline(epdctl, tmp_path, state_root) -> None:
     assert result.stderr.startswith(
         "Error: on `device: cuda` verify needs --baseline-url URL")
     assert not (state_root / "gpu").exists()
+
+
+def test_a_running_topology_that_is_not_ready_is_refused(epdctl, fake_topology, state_root,
+                                                         monkeypatch) -> None:
+    from epdctl import launcher
+
+    topo = fake_topology()
+    assert epdctl("up", str(topo), "-d", "--timeout", "20").exit_code == 0
+    monkeypatch.setattr(launcher, "probe", lambda url, timeout_s=1.0: 503)
+    result = epdctl("verify", str(topo))
+    assert result.exit_code == 1
+    assert result.stderr == ("Error: `fake` is running but not ready (encode-0, pd-0, proxy); "
+                             "see `epdctl status --name fake`\n")
+    assert not (state_root / "fake" / "logs" / "verify-baseline.log").exists()
+    monkeypatch.undo()
+    assert epdctl("down").exit_code == 0
