@@ -20,14 +20,21 @@ from epdctl.cli.verify import verify
 from epdctl.errors import EpdctlError
 
 
+class _Failure(click.ClickException):
+    """An EpdctlError as click shows it: `Error: message`, with the error's exit code."""
+
+    def __init__(self, exc: EpdctlError) -> None:
+        super().__init__(str(exc))
+        # click declares exit_code on the class; each instance carries the error's own.
+        self.exit_code = exc.exit_code  # type: ignore[misc]
+
+
 class _Root(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except EpdctlError as exc:
-            err = click.ClickException(str(exc))
-            err.exit_code = exc.exit_code
-            raise err from exc
+            raise _Failure(exc) from exc
 
 
 @click.group(cls=_Root, context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,7 +48,8 @@ class _Root(click.Group):
     "[env: EPDCTL_STATE_DIR; default: ~/.local/state/epdctl]",
 )
 @click.option("-v", "--verbose", count=True, help="More detail; repeat for more.")
-@click.option("--color/--no-color", default=None, help="Force colour on or off (NO_COLOR is honoured).")
+@click.option("--color/--no-color", default=None,
+              help="Force colour on or off (NO_COLOR is honoured).")
 @click.pass_context
 def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool | None) -> None:
     """Bring up and manage a vLLM Encoder/Prefill/Decode topology on one machine.
