@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -55,6 +56,37 @@ def topology(src: str, tmp: Path, model: Path, cache_dir: Path,
         if run.is_up():
             run.cli("down", "--name", run.name, timeout_s=90)
         _stop_leftovers(run)
+
+
+@contextmanager
+def broken_store(run: TopologyRun) -> Iterator[None]:
+    """E cannot save while inside: its tmpfs is full (a real ENOSPC) when store_root() could
+    mount one, else the namespace's tmp/ is a file (ENOTDIR). Healed on the way out."""
+    from epdctl.cache.store import Store
+
+    store = Store(run.cache_dir, run.state().namespace)
+    is_small = run.cache_dir.name == "small-shm"
+    if is_small:
+        broken = run.cache_dir / "filler"
+        block = b"\0" * (256 << 10)
+        fd = os.open(broken, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            while True:  # unbuffered: a short write, then ENOSPC, and nothing left to flush
+                os.write(fd, block)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+        finally:
+            os.close(fd)
+    else:
+        os.rename(store.tmp, store.root / "tmp.aside")
+        broken = store.tmp
+        broken.write_bytes(b"a file where the store wants a directory")
+    try:
+        yield
+    finally:
+        broken.unlink()
+        if not is_small:
+            os.rename(store.root / "tmp.aside", store.tmp)
 
 
 def debug_logs(data: dict[str, Any]) -> None:

@@ -12,9 +12,9 @@ separate aggregated server).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -31,6 +31,7 @@ from tests.reliability.realrun import (
     Probe,
     answer,
     body,
+    broken_store,
     debug_logs,
     image,
     store_root,
@@ -155,20 +156,6 @@ def test_killed_encoder(probe: Probe) -> None:
     assert probe.wait_logged("pd-0", pd_at, f"Success load encoder cache for hash {key}")
 
 
-def _fill(root: Path) -> Path:
-    """Write zeros into root until its filesystem is full (a real ENOSPC)."""
-    filler = root / "filler"
-    block = b"\0" * (64 << 10)
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(block)
-                f.flush()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
-    return filler
-
-
 def _foreign_entry(run: TopologyRun, key: str, model_key: str) -> None:
     """Put an entry for `key` with another namespace in its header where PD will look."""
     from epdctl.cache._format import PAGE_BYTES, decode_header
@@ -180,13 +167,7 @@ def _foreign_entry(run: TopologyRun, key: str, model_key: str) -> None:
     other = Store(run.cache_dir, "someone-else").create()
     other.publish(key, data[header.data_offset:], dtype=header.dtype, shape=header.shape)
     os.replace(other.entry_path(key), ours.entry_path(key))
-    shutil_rmtree(other.root)
-
-
-def shutil_rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(other.root, ignore_errors=True)
 
 
 def test_store_full_and_foreign_entry(run: TopologyRun, probe: Probe) -> None:
@@ -200,15 +181,8 @@ def test_store_full_and_foreign_entry(run: TopologyRun, probe: Probe) -> None:
     foreign_key, _ = image(13)
     _foreign_entry(run, foreign_key, image(11)[0])
     before = read_stats(store.root)[0]
-    is_small = run.cache_dir.name == "small-shm"
-    if is_small:
-        broken = _fill(run.cache_dir)
-    else:
-        os.rename(store.tmp, store.root / "tmp.aside")
-        broken = store.tmp
-        broken.write_bytes(b"a file where the store wants a directory")
     e_at, pd_at = probe.mark("encode-0"), probe.mark("pd-0")
-    try:
+    with broken_store(run):
         assert ask(probe, 12) == reference(probe, 12)
         assert ask(probe, 13, stream=True) == reference(probe, 13)
         assert probe.wait_logged("encode-0", e_at, f"EC store: could not save {full_key}")
@@ -216,10 +190,6 @@ def test_store_full_and_foreign_entry(run: TopologyRun, probe: Probe) -> None:
         assert probe.wait_logged("pd-0", pd_at, f"Finish execute for mm hash {full_key}")
         assert probe.wait_logged("pd-0", pd_at, f"EC store miss for {foreign_key} (namespace")
         assert probe.logged("pd-0", pd_at, f"Finish execute for mm hash {foreign_key}")
-    finally:
-        broken.unlink()
-        if not is_small:
-            os.rename(store.root / "tmp.aside", store.tmp)
     status = probe.status()
     assert all(r["state"] == "ready" for r in status.values()), status
     assert status["pd-0"]["restarts"] == 0
