@@ -221,3 +221,25 @@ def test_state_json_gone_force_still_finds_everything(env, fake_topology, state_
     assert forced.returncode == 0, forced.stderr
     assert forced.stderr.startswith("Stopped fake: ")
     assert marked_pids(run_dir) == set()
+
+
+@pytest.mark.parametrize("problem", ["too-small", "not-a-dir"])
+def test_a_store_that_cannot_hold_the_budget_is_refused(env, fake_topology, state_root,
+                                                        tmp_path, problem) -> None:
+    """`/dev/shm` too small for cache.capacity, or the store dir under a file: refused before
+    anything starts, naming the store."""
+    if problem == "too-small":
+        topo = fake_topology(cache=f"capacity: {1 << 60}")
+        needle = "lower cache.capacity or enlarge the filesystem"
+    else:
+        (tmp_path / "a-file").write_text("not a directory")
+        topo = fake_topology()
+        text = topo.read_text().replace(str(tmp_path / "shm"), str(tmp_path / "a-file" / "shm"))
+        topo.write_text(text)
+        needle = "is not writable"
+    result = epdctl(env, "up", str(topo), "-d", "--timeout", "20")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("Error: the EC store `") and needle in result.stderr
+    run_dir = state_root / "fake"
+    assert not (run_dir / "state.json").exists() and not (run_dir / "logs").exists()
+    assert marked_pids(run_dir) == set()
