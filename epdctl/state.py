@@ -181,6 +181,13 @@ class StateDir:
             os.replace(self.state_file, self.path / LAST_RUN)
         except FileNotFoundError:
             pass
+        except OSError:
+            # state.json is something os.replace cannot move over last-run.json (a
+            # directory, say): it is not a run's state either way, so it goes.
+            import shutil
+
+            shutil.rmtree(self.state_file, ignore_errors=True)
+            self.state_file.unlink(missing_ok=True)
 
     def finish(self, state: RunState, *, keep_cache: bool = False) -> None:
         """After the last process is gone: retire state.json and drop the EC store dir."""

@@ -105,3 +105,11 @@ def test_find_state_dir_past_runs_and_topology_file(tmp_path: Path) -> None:
     topo = tmp_path / "t.yaml"
     topo.write_text("name: other\nmodel: m\ndevice: cpu\nroles: {prefill_decode: {}}\n")
     assert find_state_dir(tmp_path / "state", str(topo)).path == tmp_path / "state" / "other"
+
+
+def test_retire_gets_rid_of_a_state_json_that_is_a_directory(tmp_path: Path) -> None:
+    sdir = StateDir(tmp_path / "demo")
+    sdir.state_file.mkdir(parents=True)
+    (sdir.path / "last-run.json").write_text("{}")
+    sdir.retire()
+    assert not sdir.state_file.exists()

@@ -84,9 +84,12 @@ def summary(state: RunState) -> Text:
         text.append(f"  {spec.name.ljust(width)}  http://127.0.0.1:{spec.port}  GPUs {gpus}\n")
     body = json.dumps({"model": state.model_name,
                        "messages": [{"role": "user", "content": "Hello!"}]})
-    curl = shlex.join(["curl", f"{proxy_url(state)}/v1/chat/completions",
-                       "-H", "content-type: application/json", "-d", body])
-    text.append(f"try:\n  {curl}")
+    argv = ["curl", f"{proxy_url(state)}/v1/chat/completions",
+            "-H", "content-type: application/json", "-d", body]
+    if "EPDCTL_PROXY_API_KEY" in state.proxy.env:
+        # The key itself stays out of terminals and scrollback: name where it comes from.
+        argv[2:2] = ["-H", "authorization: Bearer <proxy.api_key from the topology>"]
+    text.append(f"try:\n  {shlex.join(argv)}")
     return text
 
 
