@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from epdctl.errors import EpdctlError
 from epdctl.plan import LaunchSpec
+from epdctl.shm import release
 from epdctl.state import Record, RunState, StateDir, process_matches
 
 STOP_TIMEOUT_S = 30.0
@@ -257,6 +258,9 @@ def stop_run(
             time.sleep(0.1)
     # Past the deadline a second SIGTERM makes a live supervisor SIGKILL at once, too.
     last = stop_all(procs, max(deadline - time.monotonic(), 0.5))
+    if state is not None:
+        for record in state.records.values():
+            release(record.shm_files)
     killed = list(last.killed)
     if is_sup_alive:  # what it SIGKILLed itself, it wrote down
         try:

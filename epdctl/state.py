@@ -68,6 +68,8 @@ class Record(BaseModel):
     state: InstanceState = "starting"
     restarts: int = 0
     exit_code: int | None = None
+    shm_files: list[str] = []
+    """/dev/shm files its processes mapped: unlinked once the group is gone (see shm.py)."""
 
 
 class Settings(BaseModel):

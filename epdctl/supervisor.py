@@ -24,6 +24,7 @@ from epdctl.launcher import (
     stop_all,
 )
 from epdctl.plan import LaunchSpec
+from epdctl.shm import mapped_files, release
 from epdctl.state import Record, RunState, StateDir
 
 STARTUP_TIMEOUT_S = 600.0
@@ -88,6 +89,8 @@ class Supervisor:
         # A second Ctrl+C (or SIGTERM after one) skips the grace period.
         result = stop_all(procs, self.stop_timeout_s, should_force=lambda: len(self.signals) > 1)
         self.state.killed = result.killed
+        for record in self.state.records.values():
+            release(record.shm_files)
         if self.state.phase == "stopping":
             self.state.phase = "stopped"
         for slot in self.slots:
@@ -132,6 +135,10 @@ class Supervisor:
                 continue
             record = self.state.records[slot.spec.name]
             record.state, record.exit_code = "exited", code
+            # The leader is gone; what it started (engine core, workers) goes with it, or a
+            # restart would find the port, memory and GPU still held.
+            stop_all([slot.proc], 0.0)
+            release(record.shm_files)
             slot.proc = None
             name, log = slot.spec.name, slot.spec.log_path
             if self.state.phase == "starting":
@@ -183,6 +190,11 @@ class Supervisor:
                 continue
             slot.probed_at = now
             is_ok = probe(slot.spec.health_url) == 200
+            if is_ok:
+                known = set(record.shm_files)
+                record.shm_files = sorted(known | set(mapped_files(slot.proc.pgid)))
+                if len(record.shm_files) != len(known):
+                    self._save()
             new = "ready" if is_ok else ("starting" if record.ready_at is None else "unhealthy")
             if is_ok and record.ready_at is None:
                 record.ready_at = time.time()

@@ -7,6 +7,7 @@ Used as `engine.command: [python, tests/fake_server.py]`; vLLM arguments it does
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FLAGS = {"--port": int, "--host": str, "--ready-after": float, "--exit-after": float,
          "--exit-code": int, "--model": str, "--served-model-name": str}
-SWITCHES = {"--ignore-sigterm", "--spawn-grandchild"}
+SWITCHES = {"--ignore-sigterm", "--spawn-grandchild", "--shm-file"}
 
 
 def parse(argv: list[str]) -> dict:
@@ -118,6 +119,13 @@ def main() -> None:
     opts = parse(sys.argv[1:])
     if opts.get("--ignore-sigterm"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if opts.get("--shm-file"):
+        # Like vLLM's message queues: a mapped /dev/shm file only a clean exit would unlink.
+        path = f"/dev/shm/epdctl-test-fake-{os.getpid()}"
+        with open(path, "wb+") as f:
+            f.truncate(4096)
+            opts["shm"] = mmap.mmap(f.fileno(), 4096)
+        print(f"fake: mapped {path}", flush=True)
     if opts.get("--spawn-grandchild"):
         child = subprocess.Popen([sys.executable, __file__, "--grandchild"])
         print(f"fake: grandchild pid {child.pid}", flush=True)
