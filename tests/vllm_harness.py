@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from epdctl.shm import mapped_files, release
+
 if TYPE_CHECKING:
     from openai import OpenAI
     from openai.types.chat import ChatCompletion
@@ -64,6 +66,7 @@ class Server:
     log_path: Path
     proc: subprocess.Popen[bytes]
     argv: tuple[str, ...] = field(default=())
+    shm_files: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -98,6 +101,8 @@ class Server:
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM the whole process group, then SIGKILL what is left at the deadline."""
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        # vLLM's /dev/shm queues outlive a SIGKILLed server: note them while it lives.
+        self.shm_files = sorted(set(self.shm_files) | set(mapped_files(pgid)))
         _signal_group(pgid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and _group_alive(pgid, self.proc):
@@ -111,6 +116,7 @@ class Server:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        release(self.shm_files)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -202,6 +208,7 @@ def stop_all(servers: Iterable[Server], timeout_s: float = 20.0) -> None:
     """SIGTERM every server first, then wait for each (one shared deadline)."""
     servers = list(servers)
     for server in servers:
+        server.shm_files = sorted(set(server.shm_files) | set(mapped_files(server.proc.pid)))
         _signal_group(server.proc.pid, signal.SIGTERM)
     for server in servers:
         server.stop(timeout_s)
