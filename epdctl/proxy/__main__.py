@@ -20,22 +20,43 @@ KEEPALIVE_EXPIRY_S = 2.0
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int, str]:
     """The config plus the address to bind."""
-    p = argparse.ArgumentParser(prog="python -m epdctl.proxy", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", action="append", required=True, help="served model name")
-    for role in ("encode", "pd", "prefill", "decode"):
-        p.add_argument(f"--{role}", action="append", default=[], metavar="URL")
-    p.add_argument("--encode-timeout", type=float, default=60.0)
-    p.add_argument("--prefill-timeout", type=float, default=120.0)
-    p.add_argument("--decode-timeout", type=float, default=120.0)
-    p.add_argument("--stream-idle-timeout", type=float, default=60.0)
-    p.add_argument("--max-inflight", type=int, default=256)
-    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
-    p.add_argument("--media-fetch-timeout", type=float, default=10.0)
-    p.add_argument("--health-interval", type=float, default=2.0)
-    p.add_argument("--eject-after", type=int, default=3)
-    p.add_argument("--no-metadata-rewrite", action="store_true")
+    p = argparse.ArgumentParser(
+        prog="python -m epdctl.proxy", description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="E|PD: --encode URL... --pd URL...   E|P|D: --encode URL... --prefill URL... "
+               "--decode URL...   Aggregated: --pd URL...",
+    )
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; anything but loopback should come with --api-key")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--model", action="append", required=True,
+                   help="model name the instances serve (repeat for several)")
+    roles = {"encode": "an encoder (ec_producer) instance", "pd": "a prefill+decode instance",
+             "prefill": "a prefill (kv_producer) instance",
+             "decode": "a decode (kv_consumer) instance"}
+    for role, what in roles.items():
+        p.add_argument(f"--{role}", action="append", default=[], metavar="URL",
+                       help=f"base URL of {what}; repeat for replicas")
+    p.add_argument("--encode-timeout", type=float, default=60.0,
+                   help="seconds an encoder gets per item before PD encodes it itself")
+    p.add_argument("--prefill-timeout", type=float, default=120.0,
+                   help="seconds the prefill stage gets (E|P|D)")
+    p.add_argument("--decode-timeout", type=float, default=120.0,
+                   help="seconds until the first byte from decode or PD")
+    p.add_argument("--stream-idle-timeout", type=float, default=60.0,
+                   help="seconds allowed between two chunks of a stream")
+    p.add_argument("--max-inflight", type=int, default=256,
+                   help="requests served at once; more get 503 with Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    p.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                   help="seconds to fetch an http(s) media URL (hashed for the cache key)")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between health probes of every instance")
+    p.add_argument("--eject-after", type=int, default=3,
+                   help="failed probes in a row before an instance gets no requests")
+    p.add_argument("--no-metadata-rewrite", action="store_true",
+                   help="always send PD the media, never E's *_embeds metadata")
     p.add_argument("--ec-protocol", choices=("shared", "mooncake"), default="shared",
                    help="mooncake: pick PD first and have E push into it (vLLM's "
                         "ECMooncakeConnector, E|PD only)")
@@ -44,8 +65,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int
                         "http://pd-0:8000=tcp://pd-0:14579; one per --pd")
     p.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
                    help="upstream HTTP client (see benchmarks/proxy.py)")
-    p.add_argument("--api-key", default=os.environ.get("EPDCTL_PROXY_API_KEY") or None,
-                   help="default: $EPDCTL_PROXY_API_KEY")
+    p.add_argument("--api-key", default=argparse.SUPPRESS,
+                   help="bearer token every route but /health requires; better given as "
+                        "$EPDCTL_PROXY_API_KEY, which keeps it off the command line")
     a = p.parse_args(argv)
     consumers = []
     for pair in a.ec_consumer:
@@ -62,7 +84,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ProxyConfig, str, int
             max_inflight=a.max_inflight, max_body_bytes=a.max_body_bytes,
             media_fetch_timeout_s=a.media_fetch_timeout, health_interval_s=a.health_interval,
             eject_after=a.eject_after, metadata_rewrite=not a.no_metadata_rewrite,
-            api_key=a.api_key, ec_protocol=a.ec_protocol, ec_consumers=tuple(consumers),
+            api_key=getattr(a, "api_key", None) or os.environ.get("EPDCTL_PROXY_API_KEY")
+            or None, ec_protocol=a.ec_protocol, ec_consumers=tuple(consumers),
         )
     except ValueError as exc:
         p.error(str(exc))
