@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
 from epdctl.cli._render import Progress, summary
@@ -31,19 +32,34 @@ def _vllm_version() -> str:
     return "unknown"
 
 
-def make_plan(app: App, topology: Topology) -> Plan:
+def _assumed_gpus(topology: Topology) -> list[str]:
+    """For --dry-run on a machine without GPUs: as many as the topology names or needs."""
+    needed = sum(r.replicas * r.tensor_parallel for r in topology.roles.values())
+    named = [g for r in topology.roles.values() if isinstance(r.gpus, list) for g in r.gpus]
+    return [str(i) for i in range(max(needed, max(named, default=-1) + 1))]
+
+
+def make_plan(app: App, topology: Topology, *, is_dry_run: bool = False) -> Plan:
     """Visible GPUs + plan(); EPDCTL_PROXY_COMMAND swaps the proxy (tests, or your own)."""
     import dataclasses
 
+    from epdctl.errors import PlanError
     from epdctl.plan import plan
 
     gpus: list[str] = []
     if topology.device == "cuda":
         from epdctl.gpus import visible_gpus
 
-        gpus = visible_gpus()
+        try:
+            gpus = visible_gpus()
+        except PlanError as exc:
+            if not is_dry_run:
+                raise
+            gpus = _assumed_gpus(topology)
+            app.err.print(Text(f"warning: {exc}\nplanning as if GPUs 0-{len(gpus) - 1} were "
+                               "visible (dry run only)", style="yellow"))
     result = plan(topology, app.state_dir(topology.name), visible_gpus=gpus,
-                  vllm_version=_vllm_version(), cpu_count=os.cpu_count() or 1)
+                  vllm_version=_vllm_version(), cpu_count=len(os.sched_getaffinity(0)))
     command = os.environ.get("EPDCTL_PROXY_COMMAND")
     if command:  # replaces `python -m epdctl.proxy`, keeps the arguments
         argv = (*shlex.split(command), *result.proxy.argv[3:])
@@ -150,7 +166,7 @@ def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
     from epdctl.topology import load_topology
 
     topology = load_topology(topology_path)
-    plan = make_plan(app, topology)
+    plan = make_plan(app, topology, is_dry_run=is_dry_run)
     if is_dry_run:
         for spec in plan.specs:
             app.out.print(f"# {spec.name} ({spec.role})\n{spec.shell()}", markup=False)

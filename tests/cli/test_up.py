@@ -76,3 +76,20 @@ def test_store_smaller_than_the_cache_budget_is_refused(epdctl, fake_topology, s
     assert "but the cache capacity is" in result.stderr
     assert "lower cache.capacity" in result.stderr
     assert not (state_root / "fake" / "logs").exists()
+
+
+def test_dry_run_without_gpus_plans_on_assumed_ones(epdctl, monkeypatch, state_root) -> None:
+    from epdctl.errors import PlanError
+
+    def no_gpu() -> list[str]:
+        raise PlanError("no NVIDIA GPU found (NVML: test)")
+
+    monkeypatch.setattr("epdctl.gpus.visible_gpus", no_gpu)
+    topo = Path(__file__).resolve().parents[2] / "topologies" / "qwen2_5-vl-2e2pd-tp2.yaml"
+    result = epdctl("up", str(topo), "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert "planning as if GPUs 0-5 were visible (dry run only)" in result.stderr
+    assert "CUDA_VISIBLE_DEVICES=4,5 " in result.stdout  # pd-1: tensor_parallel 2
+    started = epdctl("up", str(topo), "-d")
+    assert started.exit_code == 1
+    assert started.stderr == "Error: no NVIDIA GPU found (NVML: test)\n"
