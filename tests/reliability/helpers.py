@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import yaml
 
 from tests.conftest import FAKE_PROXY
+from tests.e2e.topology_run import wait_for as wait_for  # re-exported for the suite
 
 
 def cli_env(state_root: Path, *, fake_proxy: bool = True) -> dict[str, str]:
@@ -45,17 +45,6 @@ def edit_topology(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
     change(data)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 20.0,
-             interval_s: float = 0.1) -> Any:
-    """Poll until predicate() is truthy; its last value (falsy on timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 def marked_pids(run_dir: Path) -> set[int]:
