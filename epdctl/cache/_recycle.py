@@ -18,12 +18,22 @@ FREE_MAX_FILES = 8  # enough for a few steps' worth of saves; more is just held 
 FREE_TTL_S = 60.0  # an unused free file goes back to the kernel after this long
 
 
-def retire(path: str, free_dir: Path) -> bool:
-    """Move an entry file into the pool instead of deleting it; False if it was not moved."""
+def _slot(free_dir: Path) -> str | None:
+    """A fresh name in the pool, or None when the pool is full (or unreadable)."""
     try:
         if len(os.listdir(free_dir)) >= FREE_MAX_FILES:
-            return False
-        dst = f"{free_dir}/{secrets.token_hex(8)}"
+            return None
+    except OSError:
+        return None
+    return f"{free_dir}/{secrets.token_hex(8)}"
+
+
+def retire(path: str, free_dir: Path) -> bool:
+    """Move an entry file into the pool instead of deleting it; False if it was not moved."""
+    dst = _slot(free_dir)
+    if dst is None:
+        return False
+    try:
         os.rename(path, dst)
     except OSError:
         return False
@@ -35,10 +45,10 @@ def retire(path: str, free_dir: Path) -> bool:
 
 def keep_aside(entry: str, free_dir: Path) -> str | None:
     """Link the entry about to be replaced into the pool (called before the rename)."""
+    dst = _slot(free_dir)
+    if dst is None:
+        return None
     try:
-        if len(os.listdir(free_dir)) >= FREE_MAX_FILES:
-            return None
-        dst = f"{free_dir}/{secrets.token_hex(8)}"
         os.link(entry, dst)
     except OSError:
         return None
