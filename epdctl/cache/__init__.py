@@ -6,4 +6,4 @@ from __future__ import annotations
 # registers itself under CONNECTOR_NAME (a name no vLLM built-in uses).
 CONNECTOR_NAME = "EpdctlShmECConnector"
 CONNECTOR_MODULE = "epdctl.connector"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2

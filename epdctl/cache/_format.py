@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import re
 import struct
 from dataclasses import dataclass
@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from epdctl.cache import FORMAT_VERSION
 
 MAGIC = b"EPDCTLEC"
-_PREFIX = struct.Struct("<8sII")  # magic, format version, length of the JSON meta
+_PREFIX = struct.Struct("<8sII")  # magic, format version, length of the meta that follows
+# Meta: nbytes, created_ns, ndim, then the byte lengths of key, namespace and dtype; then
+# the shape (ndim x u64) and the three UTF-8 strings. Binary: a header is encoded and
+# decoded on every save and load, and JSON costs several times more.
+_META = struct.Struct("<QQHHHH")
 # Data starts page-aligned so reads and mmaps of the payload are aligned too.
 PAGE_BYTES = 4096
 ENTRY_SUFFIX = ".ec"
@@ -40,6 +44,8 @@ class FormatError(ValueError):
     """An entry's bytes are not a valid entry (truncated, foreign, corrupt)."""
 
 
+# Cached: names are made on every save, pin and load, and regex and sha256 cost more.
+@functools.lru_cache(maxsize=4096)
 def _safe_name(text: str, max_chars: int) -> str:
     """`text` if it is a short, plain file name; else `~` + a hash of it."""
     if len(text) <= max_chars and _SAFE.fullmatch(text):
@@ -98,16 +104,15 @@ def encode_header(
 ) -> bytes:
     """The header bytes, padded so the payload starts on a page boundary."""
     nbytes = payload_nbytes(dtype, shape)
-    meta = {
-        "key": key,
-        "namespace": namespace,
-        "dtype": dtype,
-        "shape": list(shape),
-        "nbytes": nbytes,
-        "created_ns": created_ns,
-    }
-    body = json.dumps(meta, separators=(",", ":")).encode()
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+    texts = [t.encode("utf-8", "surrogatepass") for t in (key, namespace, dtype)]
+    meta = b"".join(
+        [
+            _META.pack(nbytes, created_ns, len(shape), *(len(t) for t in texts)),
+            struct.pack(f"<{len(shape)}Q", *shape),
+            *texts,
+        ]
+    )
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(meta)) + meta
     padded = -(-len(head) // PAGE_BYTES) * PAGE_BYTES
     return head + bytes(padded - len(head))
 
@@ -122,25 +127,33 @@ def decode_header(buf: bytes) -> EntryHeader:
     if version != FORMAT_VERSION:
         raise FormatError(f"format version {version}, expected {FORMAT_VERSION}")
     end = _PREFIX.size + length
-    if end > len(buf):
+    if end > len(buf) or length < _META.size:
         raise FormatError("truncated header")
     try:
-        meta = json.loads(buf[_PREFIX.size : end])
-        shape = tuple(int(d) for d in meta["shape"])
-        header = EntryHeader(
-            key=str(meta["key"]),
-            namespace=str(meta["namespace"]),
-            dtype=str(meta["dtype"]),
-            shape=shape,
-            nbytes=int(meta["nbytes"]),
-            created_ns=int(meta["created_ns"]),
-            data_offset=-(-end // PAGE_BYTES) * PAGE_BYTES,
-        )
-    except (ValueError, KeyError, TypeError) as exc:
+        nbytes, created_ns, ndim, *lengths = _META.unpack_from(buf, _PREFIX.size)
+        pos = _PREFIX.size + _META.size
+        shape = struct.unpack_from(f"<{ndim}Q", buf, pos)
+        pos += 8 * ndim
+        texts = []
+        for n in lengths:
+            texts.append(bytes(buf[pos : pos + n]).decode("utf-8", "surrogatepass"))
+            pos += n
+    except (struct.error, UnicodeDecodeError) as exc:
         raise FormatError(f"corrupt header: {exc}") from None
-    if any(d < 0 for d in shape) or header.nbytes != payload_nbytes(header.dtype, shape):
+    if pos != end:
+        raise FormatError("corrupt header: its lengths do not add up")
+    key, namespace, dtype = texts
+    if dtype not in DTYPE_BYTES or nbytes != payload_nbytes(dtype, shape):
         raise FormatError("header nbytes does not match dtype and shape")
-    return header
+    return EntryHeader(
+        key=key,
+        namespace=namespace,
+        dtype=dtype,
+        shape=shape,
+        nbytes=nbytes,
+        created_ns=created_ns,
+        data_offset=-(-end // PAGE_BYTES) * PAGE_BYTES,
+    )
 
 
 def format_bytes(n: float) -> str:

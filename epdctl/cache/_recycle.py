@@ -18,75 +18,93 @@ FREE_MAX_FILES = 8  # enough for a few steps' worth of saves; more is just held 
 FREE_TTL_S = 60.0  # an unused free file goes back to the kernel after this long
 
 
-def _slot(free_dir: Path) -> str | None:
-    """A fresh name in the pool, or None when the pool is full (or unreadable)."""
+def _slot(free_dir: Path, size: int) -> str | None:
+    """A fresh pool name for a file of `size` bytes, or None when the pool is full."""
     try:
         if len(os.listdir(free_dir)) >= FREE_MAX_FILES:
             return None
     except OSError:
         return None
-    return f"{free_dir}/{secrets.token_hex(8)}"
+    # The size leads the name: claim() picks a file without a stat per candidate.
+    return f"{free_dir}/{size}.{secrets.token_hex(6)}"
 
 
-def retire(path: str, free_dir: Path) -> bool:
+def _named_size(name: str) -> int:
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else -1
+
+
+def retire(path: str, free_dir: Path, size: int) -> bool:
     """Move an entry file into the pool instead of deleting it; False if it was not moved."""
-    dst = _slot(free_dir)
+    dst = _slot(free_dir, size)
     if dst is None:
         return False
     try:
         os.rename(path, dst)
     except OSError:
         return False
-    # A pin taken just before the rename still holds the inode: never hand it out.
-    if os.stat(dst).st_nlink != 1:
-        os.unlink(dst)
+    # A pin taken just before the rename still holds the inode: keep it out of the pool
+    # (claim() checks again; a writer may even have claimed it already).
+    try:
+        if os.stat(dst).st_nlink != 1:
+            os.unlink(dst)
+    except FileNotFoundError:
+        pass
     return True
 
 
-def keep_aside(entry: str, free_dir: Path) -> str | None:
-    """Link the entry about to be replaced into the pool (called before the rename)."""
-    dst = _slot(free_dir)
-    if dst is None:
-        return None
+def keep_aside(entry: str, free_dir: Path, size: int, *, check_room: bool = True) -> str | None:
+    """Link the entry about to be replaced into the pool (called before the rename).
+
+    `size`: the new entry's. Keys name content, so the replaced file is almost always
+    the same size; claim() checks the real size (and that no pin holds the file: a
+    pinned entry may slip in here) before it reuses one. `check_room=False` skips
+    counting the pool when the caller has just taken a file out of it.
+    """
+    dst = f"{free_dir}/{size}.{secrets.token_hex(6)}"
     try:
         os.link(entry, dst)
     except OSError:
+        return None  # a new key (nothing is replaced), or the pool is gone
+    if check_room and len(os.listdir(free_dir)) > FREE_MAX_FILES:
+        os.unlink(dst)
         return None
     return dst
 
 
-def settle(aside: str | None) -> None:
-    """After the replacing rename: drop the pooled link if the old inode is still pinned."""
-    if aside is None:
-        return
-    try:
-        if os.stat(aside).st_nlink != 1:
-            os.unlink(aside)
-    except FileNotFoundError:
-        pass
+def claim(
+    free_dir: Path, tmp: str, size: int, hint: str | None = None
+) -> tuple[int, os.stat_result] | None:
+    """Take the smallest pooled file of at least `size` bytes as `tmp`: (fd, its stat).
 
-
-def claim(free_dir: Path, tmp: str, size: int) -> int | None:
-    """Take the smallest pooled file of at least `size` bytes as `tmp`; an fd, or None."""
+    `hint`: a pool file to try first (the one this writer put aside last), saving a listing.
+    """
+    if hint is not None and _named_size(os.path.basename(hint)) >= size:
+        claimed = _take(hint, tmp, size)
+        if claimed is not None:
+            return claimed
     try:
-        candidates = []
-        for item in os.scandir(free_dir):
-            st = item.stat()
-            if st.st_size >= size:
-                candidates.append((st.st_size, item.path))
+        names = os.listdir(free_dir)
     except OSError:
         return None
-    for _, path in sorted(candidates):
-        try:
-            os.rename(path, tmp)  # atomic: of two writers, one gets it
-        except FileNotFoundError:
-            continue
-        fd = os.open(tmp, os.O_WRONLY)
-        st = os.fstat(fd)
-        if st.st_nlink == 1 and st.st_size >= size:
-            return fd
-        os.close(fd)
-        os.unlink(tmp)
+    for _, name in sorted((n, name) for name in names if (n := _named_size(name)) >= size):
+        claimed = _take(f"{free_dir}/{name}", tmp, size)
+        if claimed is not None:
+            return claimed
+    return None
+
+
+def _take(path: str, tmp: str, size: int) -> tuple[int, os.stat_result] | None:
+    try:
+        os.rename(path, tmp)  # atomic: of two writers, one gets it
+    except FileNotFoundError:
+        return None
+    fd = os.open(tmp, os.O_RDWR)  # read too: the writer maps it
+    st = os.fstat(fd)
+    if st.st_nlink == 1 and st.st_size >= size:
+        return fd, st
+    os.close(fd)
+    os.unlink(tmp)  # still pinned (or not ours): the pin keeps the bytes, the pool lets go
     return None
 
 

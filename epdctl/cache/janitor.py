@@ -252,7 +252,7 @@ def _remove_entry(e: Entry, dry_run: bool, recycle: bool = False) -> bool:
     if (
         recycle
         and not dry_run
-        and _recycle.retire(e.path, Path(e.path).parent.parent / _recycle.FREE)
+        and _recycle.retire(e.path, Path(e.path).parent.parent / _recycle.FREE, e.size)
     ):
         return True
     return _remove(e.path, dry_run)

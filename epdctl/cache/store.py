@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import errno
+import itertools
 import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,12 +26,20 @@ from epdctl.cache._format import (
     namespace_dirname,
     payload_nbytes,
 )
+from epdctl.cache._maps import MAPPINGS
 from epdctl.errors import CacheError
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 ENTRIES, PINS, TMP, STATS = "entries", "pins", "tmp", "stats"
+
+# Writes an entry's payload into its mapped bytes (a memoryview of exactly its size).
+Fill = Callable[[memoryview], None]
+# Copies an entry's payload out of its mapped bytes (read-only, exactly its size).
+Drain = Callable[[memoryview], None]
+
+_tmp_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class Store:
         self.pins = self.root / PINS
         self.tmp = self.root / TMP
         self.free = self.root / _recycle.FREE
+        self._spare: str | None = None  # the file this writer last put in the pool
 
     def create(self) -> Store:
         """Create the namespace's directories (idempotent)."""
@@ -83,26 +93,41 @@ class Store:
             return False
         return True
 
-    def publish(self, key: str, data: Buffer, *, dtype: str, shape: tuple[int, ...]) -> int:
-        """Write an entry atomically and return its payload size; OSError on failure."""
+    def publish(
+        self, key: str, data: Buffer | Fill, *, dtype: str, shape: tuple[int, ...]
+    ) -> int:
+        """Write an entry atomically and return its payload size; OSError on failure.
+
+        `data`: the payload bytes, or a function that writes them into the entry (it gets
+        the mapped payload, a memoryview of exactly the payload's size).
+        """
         header = encode_header(key, self.namespace, dtype, shape, time.time_ns())
-        view = memoryview(data).cast("B")
-        if view.nbytes != payload_nbytes(dtype, shape):
-            raise ValueError(f"{view.nbytes} bytes given for {dtype}{list(shape)}")
+        nbytes = payload_nbytes(dtype, shape)
+        fill = data if callable(data) else _copier(data, nbytes)
         name = key_filename(key)
-        tmp = f"{self.tmp}/{name}.{os.getpid()}.{secrets.token_hex(4)}"
-        total = len(header) + view.nbytes
-        fd = _recycle.claim(self.free, tmp, total)
-        if fd is None:
+        tmp = f"{self.tmp}/{name}.{os.getpid()}.{next(_tmp_ids)}"
+        total = len(header) + nbytes
+        claimed = _recycle.claim(self.free, tmp, total, self._spare)
+        if claimed is None:
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             except FileNotFoundError:
                 self.create()
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            size, st = 0, None
+        else:
+            fd, st = claimed
+            size = st.st_size
         try:
-            _write_all(fd, header)
-            _write_all(fd, view)
-            if os.fstat(fd).st_size != total:
+            if size < total:
+                # A new file: allocate its pages now, so a full tmpfs is ENOSPC here and
+                # not a SIGBUS in the middle of the copy through the mapping.
+                os.posix_fallocate(fd, 0, total)
+            with MAPPINGS.view(fd, total, write=True, st=st) as mapped:
+                mapped[: len(header)] = header
+                if nbytes:
+                    fill(mapped[len(header) :])
+            if size > total:
                 os.ftruncate(fd, total)  # a recycled file was larger
         except BaseException:
             os.close(fd)
@@ -110,7 +135,7 @@ class Store:
             raise
         os.close(fd)
         entry = f"{self.entries}/{name}{ENTRY_SUFFIX}"
-        aside = _recycle.keep_aside(entry, self.free)
+        aside = _recycle.keep_aside(entry, self.free, total, check_room=claimed is None)
         # No fsync: tmpfs has nothing to flush, and rename is atomic; two writers of
         # one key both finish and the last rename wins.
         try:
@@ -118,9 +143,8 @@ class Store:
         except BaseException:
             _unlink(tmp)
             raise
-        finally:
-            _recycle.settle(aside)
-        return view.nbytes
+        self._spare = aside
+        return nbytes
 
     def pin(
         self,
@@ -186,10 +210,13 @@ def _validate(
     path: str, key: str, namespace: str, rows: int | None, dtype: str | None
 ) -> EntryHeader | Miss:
     try:
-        with open(path, "rb", buffering=0) as f:
-            head = f.read(PAGE_BYTES)
-            header = decode_header(head)
-            size = os.fstat(f.fileno()).st_size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            head = os.pread(fd, PAGE_BYTES, 0)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        header = decode_header(head)
     except FormatError as exc:
         return Miss(f"corrupt: {exc}")
     except OSError as exc:
@@ -202,38 +229,51 @@ def _validate(
         return Miss(f"dtype {header.dtype}, expected {dtype}")
     if rows is not None and (len(header.shape) < 1 or header.rows != rows):
         return Miss(f"shape {list(header.shape)}, expected {rows} rows")
+    if size < header.data_offset:
+        return Miss(f"corrupt: truncated inside its header ({size} bytes)")
     if size - header.data_offset != header.nbytes:
         return Miss(f"size {size - header.data_offset}, expected {header.nbytes}")
     return header
 
 
-def read_into(path: str, header: EntryHeader, out: Buffer) -> None:
-    """Copy the payload of the entry at `path` into `out` (exactly header.nbytes)."""
-    view = memoryview(out).cast("B")
-    if view.nbytes != header.nbytes:
-        raise ValueError(f"destination holds {view.nbytes} bytes, entry {header.nbytes}")
+def read_into(path: str, header: EntryHeader, out: Buffer | Drain) -> None:
+    """Copy the payload of the entry at `path` into `out` (exactly header.nbytes).
+
+    `out`: a writable buffer, or a function that copies out of the mapped payload (a
+    read-only memoryview of exactly header.nbytes).
+    """
+    drain = out if callable(out) else _copier(out, header.nbytes, into=True)
     fd = os.open(path, os.O_RDONLY)
     try:
-        done = 0
-        while done < view.nbytes:
-            n = os.preadv(fd, [view[done:]], header.data_offset + done)
-            if n == 0:
-                raise OSError(errno.EIO, f"{path} is truncated")
-            done += n
+        end = header.data_offset + header.nbytes
+        # The file's size is checked against `end` first: a shorter file is an OSError.
+        with MAPPINGS.view(fd, end, write=False) as mapped:
+            if header.nbytes:
+                drain(mapped[header.data_offset : end])
     finally:
         os.close(fd)
+
+
+def _copier(buf: Buffer, nbytes: int, *, into: bool = False) -> Fill:
+    """A Fill (or, `into`, a Drain) for a plain buffer: one memcpy."""
+    view = memoryview(buf).cast("B")
+    if view.nbytes != nbytes:
+        side = "destination holds" if into else "given"
+        raise ValueError(f"{view.nbytes} bytes {side}, the entry has {nbytes}")
+
+    def fill(mapped: memoryview) -> None:
+        mapped[:] = view
+
+    def drain(mapped: memoryview) -> None:
+        view[:] = mapped
+
+    return drain if into else fill
 
 
 def unpin(paths: tuple[str, ...] | list[str]) -> None:
     """Drop pins (a pin that is already gone is fine)."""
     for path in paths:
         _unlink(path)
-
-
-def _write_all(fd: int, data: Buffer) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _unlink(path: str) -> None:

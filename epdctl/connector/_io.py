@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from epdctl.cache._format import EntryHeader
@@ -13,9 +15,24 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    return t.reshape(-1).view(torch.uint8).numpy().data
+_quiet = False
+
+
+def mapped_tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over an entry's mapped payload (no copy): copy into or out of it.
+
+    torch copies with its thread pool (one memcpy thread cannot fill the memory
+    bandwidth), and few torch calls: right after a big copy every call runs cold.
+    """
+    global _quiet
+    if not _quiet:
+        # Readers map entries read-only; torch.frombuffer warns about that (it only reads
+        # here), once per process: the first call hides that one warning.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.frombuffer(memoryview(b"\0"), dtype=torch.uint8)
+        _quiet = True
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 class HostStaging:
@@ -50,15 +67,18 @@ class HostStaging:
 
 def save_tensor(store: Store, key: str, t: torch.Tensor, staging: HostStaging) -> int:
     """Publish `t` under `key`; returns the payload bytes. Raises on failure."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        host = staging.get(t.numel() * t.element_size())
+    src = t.detach() if t.requires_grad else t
+    if src.device.type != "cpu":
+        host = staging.get(src.numel() * src.element_size())
         # A synchronous copy: the entry must be complete before E answers.
-        host.copy_(t.contiguous().reshape(-1).view(torch.uint8))
-        data = host.numpy().data
-    else:
-        data = as_bytes(t.contiguous())
-    return store.publish(key, data, dtype=dtype_name(t.dtype), shape=tuple(t.shape))
+        host.copy_(src.contiguous().reshape(-1).view(torch.uint8))
+        src = host.view(src.dtype).view(src.shape)
+    dtype, shape = src.dtype, tuple(src.shape)
+
+    def fill(mapped: memoryview) -> None:
+        mapped_tensor(mapped, dtype, shape).copy_(src)
+
+    return store.publish(key, fill, dtype=dtype_name(dtype), shape=shape)
 
 
 def load_tensors(
@@ -73,30 +93,39 @@ def load_tensors(
     for paths, header in items:
         dtype = getattr(torch, header.dtype)
         if host is None:
-            t = torch.empty(header.shape, dtype=dtype)
-            dst = as_bytes(t)
+            dst = torch.empty(header.shape, dtype=dtype)
         else:
             chunk = host[offset : offset + header.nbytes]
-            dst = chunk.numpy().data
+            dst = chunk.view(dtype).view(header.shape)
         error = _read_first(paths, header, dst)
         if error is not None:
             out.append(error)
         elif host is None:
-            out.append(t)
+            out.append(dst)
         else:
             t = torch.empty(header.shape, dtype=dtype, device=device)
-            t.reshape(-1).view(torch.uint8).copy_(chunk, non_blocking=True)
+            t.copy_(dst, non_blocking=True)
             out.append(t)
         offset += header.nbytes
     staging.fence()
     return out
 
 
-def _read_first(paths: tuple[str, ...], header: EntryHeader, dst: memoryview) -> OSError | None:
+def read_tensor(path: str, header: EntryHeader, dst: torch.Tensor) -> None:
+    """Copy the entry at `path` into `dst` (a CPU tensor of the entry's dtype and shape)."""
+    dtype, shape = dst.dtype, tuple(dst.shape)
+
+    def drain(mapped: memoryview) -> None:
+        dst.copy_(mapped_tensor(mapped, dtype, shape))
+
+    read_into(path, header, drain)
+
+
+def _read_first(paths: tuple[str, ...], header: EntryHeader, dst: torch.Tensor) -> OSError | None:
     error = OSError("no path to read")
     for path in paths:
         try:
-            read_into(path, header, dst)
+            read_tensor(path, header, dst)
             return None
         except OSError as exc:
             error = exc

@@ -61,14 +61,15 @@ def test_a_pin_taken_during_eviction_keeps_the_file_out_of_the_pool(store: Store
     store.publish("k", payload(8), dtype="float32", shape=(8, 8))
     pin_path = f"{store.pins}/late-pin"
     os.link(store.entry_path("k"), pin_path)  # the consumer won the race
-    assert _recycle.retire(store.entry_path("k"), store.free)
+    size = os.stat(store.entry_path("k")).st_size
+    assert _recycle.retire(store.entry_path("k"), store.free, size)
     assert os.listdir(store.free) == [] and not store.has_entry("k")
     assert os.stat(pin_path).st_nlink == 1  # the pin alone holds the bytes now
 
 
 def test_a_linked_pool_file_is_not_claimed(store: Store) -> None:
     store.publish("k", payload(8), dtype="float32", shape=(8, 8))
-    _recycle.retire(store.entry_path("k"), store.free)
+    _recycle.retire(store.entry_path("k"), store.free, os.stat(store.entry_path("k")).st_size)
     (pooled,) = store.free.iterdir()
     os.link(pooled, store.root / "someone-else")
     held = os.stat(pooled).st_ino

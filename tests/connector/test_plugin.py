@@ -25,11 +25,21 @@ def test_importing_the_connector_loads_no_cli_libraries_and_touches_nothing() ->
         "        touched.append(path)\n"
         "sys.addaudithook(hook)\n"
         "import epdctl.connector, epdctl.connector.plugin\n"
+        "epdctl.connector.EpdctlShmECConnector\n"
         "import torch\n"
         "bad = {'click', 'rich', 'httpx', 'epdctl.topology', 'epdctl.cli'} & set(sys.modules)\n"
         "print(sorted(bad), torch.cuda.is_initialized(), 'vllm' in sys.modules, touched)\n"
     )
     assert run(code) == "[] False True []"
+
+
+def test_the_tensor_io_works_without_vllm() -> None:
+    code = (
+        "import sys\n"
+        "from epdctl.connector import _io\n"
+        "print('vllm' in sys.modules)\n"
+    )
+    assert run(code) == "False"  # the class loads lazily: GPU benchmarks need only torch
 
 
 def test_register_is_idempotent_and_resolves_the_class() -> None:
