@@ -21,7 +21,8 @@ import os
 import resource
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 SWEEP_S = 1.0
 
@@ -31,6 +32,8 @@ class _Map:
     fd: int  # our own descriptor: fstat() tells when the file is gone
     mm: mmap.mmap
     length: int
+    # Run before the mapping goes (e.g. the connector's CUDA registration is undone).
+    finalizers: list[Callable[[], None]] = field(default_factory=list)
 
 
 def _max_maps() -> int:
@@ -94,6 +97,15 @@ class Mappings:
                     dropped += 1
         return dropped
 
+    def on_drop(self, mm: object, fn: Callable[[], None]) -> bool:
+        """Call `fn` before the kept mapping `mm` (a view's `.obj`) goes; False if not kept."""
+        with self._lock:
+            for m in self._maps.values():
+                if m.mm is mm:
+                    m.finalizers.append(fn)
+                    return True
+        return False
+
     def clear(self) -> None:
         with self._lock:
             for key in list(self._maps):
@@ -101,6 +113,11 @@ class Mappings:
 
     def _drop(self, key: tuple[int, int, bool]) -> bool:
         m = self._maps[key]
+        while m.finalizers:
+            try:
+                m.finalizers.pop()()
+            except Exception:  # a finalizer must not keep the memory mapped
+                pass
         try:
             m.mm.close()
         except BufferError:

@@ -243,13 +243,23 @@ def read_into(path: str, header: EntryHeader, out: Buffer | Drain) -> None:
     read-only memoryview of exactly header.nbytes).
     """
     drain = out if callable(out) else _copier(out, header.nbytes, into=True)
-    fd = os.open(path, os.O_RDONLY)
+    with map_entry(path, header) as payload:
+        if header.nbytes:
+            drain(payload)
+
+
+def map_entry(path: str, header: EntryHeader, *, write: bool = False) -> memoryview:
+    """The payload of the entry at `path`, through its kept mapping: release it when done.
+
+    OSError when the file is shorter than its header says. `write` maps it writable
+    (the connector's CUDA path registers such mappings; it never writes through them).
+    """
+    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
     try:
         end = header.data_offset + header.nbytes
         # The file's size is checked against `end` first: a shorter file is an OSError.
-        with MAPPINGS.view(fd, end, write=False) as mapped:
-            if header.nbytes:
-                drain(mapped[header.data_offset : end])
+        with MAPPINGS.view(fd, end, write=write) as mapped:
+            return mapped[header.data_offset : end]
     finally:
         os.close(fd)
 

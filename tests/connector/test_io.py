@@ -104,3 +104,44 @@ def test_a_vanished_pin_is_an_error_in_place_of_its_tensor(store: Store) -> None
     out = load_tensors([(a.paths, a.header), (b.paths, b.header)], torch.device("cpu"), staging)
     assert isinstance(out[0], OSError) and torch.equal(out[1], torch.ones(4, 8))
     unpin(b.paths)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+def test_a_file_loaded_again_goes_straight_from_its_registered_mapping(store: Store) -> None:
+    dev = torch.device("cuda")
+    staging = HostStaging(dev)
+    assert staging.registry is not None
+    for round_ in range(4):
+        # Same key, new content: the replaced file is recycled, so the same inodes (and
+        # their kept, registered mappings) come back with new bytes in them.
+        src = torch.randn(300, 1000, device="cuda").to(torch.bfloat16)
+        save_tensor(store, "k", src, staging)
+        p = pin(store, "k")
+        (out,) = load_tensors([(p.paths, p.header)], dev, staging)
+        unpin(p.paths)
+        assert isinstance(out, torch.Tensor) and torch.equal(out, src), round_
+    assert staging.registry.enabled and staging.registry._registered  # the DMA path ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+def test_a_failed_registration_leaves_cuda_usable(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import mmap
+
+    from epdctl.connector._io import _clear_cuda_error
+
+    path = tmp_path / "ro"
+    path.write_bytes(b"x" * (1 << 20))
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    view = memoryview(mm)
+    ptr = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+    rc = torch.cuda.cudart().cudaHostRegister(ptr, view.nbytes, 0)
+    if int(rc) == 0:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+        pytest.skip("this driver registers read-only mappings")
+    _clear_cuda_error()
+    assert (torch.ones(4, device="cuda") * 2).sum().item() == 8  # a launch check passes
+    view.release()
+    mm.close()
