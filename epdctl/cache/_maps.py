@@ -126,6 +126,12 @@ class Mappings:
         os.close(m.fd)
         return True
 
+    def _after_fork(self) -> None:
+        # A child may be forked while the parent's sweeper holds the lock; its copies of the
+        # mappings stay valid, and its own sweeper starts on first use.
+        self._lock = threading.Lock()
+        self._sweeper_pid = None
+
     def _start_sweeper(self) -> None:
         pid = os.getpid()
         # First use in this process (threads do not survive a fork: start one per pid).
@@ -156,3 +162,4 @@ def _map(fd: int, length: int, write: bool) -> _Map:
 
 # One set per process: E's writer and P's readers meet the same inodes again and again.
 MAPPINGS = Mappings()
+os.register_at_fork(after_in_child=MAPPINGS._after_fork)

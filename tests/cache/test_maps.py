@@ -94,3 +94,22 @@ def test_the_sweeper_thread_frees_an_idle_process_s_memory(tmp_path: Path) -> No
     while len(maps) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(maps) == 0
+
+
+def test_a_forked_child_maps_and_sweeps_on_its_own(tmp_path: Path) -> None:
+    from epdctl.cache._maps import MAPPINGS
+
+    fd = make(tmp_path / "a", b"abc" + b"x" * 4093)
+    MAPPINGS.view(fd, 3, write=False).release()
+    with MAPPINGS._lock:  # the parent's sweeper could hold it at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: a lock held in the parent must not block it
+            try:
+                with MAPPINGS.view(fd, 3, write=False) as v:
+                    ok = bytes(v) == b"abc"
+                os._exit(0 if ok and MAPPINGS._sweeper_pid == os.getpid() else 1)
+            except BaseException:
+                os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    os.close(fd)
