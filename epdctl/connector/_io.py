@@ -43,7 +43,7 @@ def mapped_tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -
 
 
 class CudaRegistry:
-    """Kept mappings of store files, registered with CUDA: entries DMA straight to the GPU.
+    """Kept mappings of store files, registered with CUDA: entries DMA to and from the GPU.
 
     A registered (page-locked in place) mapping loads at the copy engine's speed with no
     host copy; through pinned staging the load runs at about a quarter of it (H200,
@@ -148,17 +148,22 @@ class HostStaging:
 
 
 def save_tensor(store: Store, key: str, t: torch.Tensor, staging: HostStaging) -> int:
-    """Publish `t` under `key`; returns the payload bytes. Raises on failure."""
+    """Publish `t` under `key`; returns the payload bytes. Raises on failure.
+
+    Every copy here is synchronous: the entry must be complete before E answers.
+    """
     src = t.detach() if t.requires_grad else t
-    if src.device.type != "cpu":
-        host = staging.get(src.numel() * src.element_size())
-        # A synchronous copy: the entry must be complete before E answers.
-        host.copy_(src.contiguous().reshape(-1).view(torch.uint8))
-        src = host.view(src.dtype).view(src.shape)
     dtype, shape = src.dtype, tuple(src.shape)
+    registry = staging.registry if src.device.type != "cpu" else None
 
     def fill(mapped: memoryview) -> None:
-        mapped_tensor(mapped, dtype, shape).copy_(src)
+        dst = mapped_tensor(mapped, dtype, shape)
+        if src.device.type == "cpu" or (registry is not None and registry.ready(mapped)):
+            dst.copy_(src)  # on a GPU: a DMA straight into the entry's registered mapping
+            return
+        host = staging.get(src.numel() * src.element_size())
+        host.copy_(src.contiguous().reshape(-1).view(torch.uint8))
+        dst.copy_(host.view(dtype).view(shape))
 
     return store.publish(key, fill, dtype=dtype_name(dtype), shape=shape)
 
