@@ -12,6 +12,7 @@ recipe gives the same bytes, so the same image gives the same greedy output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -20,12 +21,15 @@ import random
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 KINDS = ("llava", "qwen2vl")
 CACHE_ENV = "EPDCTL_TINY_MODEL_DIR"
+STAMP = "epdctl-tiny-model.json"
+STALE_BUILD_S = 14 * 86400  # a build of another recipe unused this long is removed
 SEED = 1234
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>")
@@ -261,7 +265,7 @@ def build(kind: str, path: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         _BUILDERS[kind](tmp)
-        (tmp / "epdctl-tiny-model.json").write_text(
+        (tmp / STAMP).write_text(
             json.dumps({"kind": kind, "recipe": recipe_hash()}, indent=2) + "\n")
         for child in tmp.iterdir():
             child.chmod(0o644)  # safetensors and mkdtemp default to owner-only
@@ -294,27 +298,50 @@ def default_cache_root() -> Path:
 def is_built(path: Path, kind: str) -> bool:
     """True when `path` holds a complete build of `kind` from the current recipe."""
     try:
-        stamp = json.loads((path / "epdctl-tiny-model.json").read_text())
+        stamp = json.loads((path / STAMP).read_text())
     except (OSError, ValueError):
         return False
     return stamp == {"kind": kind, "recipe": recipe_hash()}
 
 
 def ensure_model(kind: str, cache_root: str | Path | None = None) -> Path:
-    """The cached `<root>/<kind>-<recipe hash>` directory, built on first use."""
+    """The cached `<root>/<kind>-<recipe hash>` directory, built on first use.
+
+    Each use marks the build used now; builds of other recipes unused for STALE_BUILD_S
+    (an older epdctl, transformers or vLLM) are removed.
+    """
     if kind not in _BUILDERS:
         raise ValueError(f"unknown tiny model {kind!r}; choose one of {', '.join(KINDS)}")
     root = Path(cache_root).expanduser() if cache_root else default_cache_root()
     path = (root / f"{kind}-{recipe_hash()}").resolve()
-    if is_built(path, kind):
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    # Two test runs may race to build: the second waits, then finds the build done.
-    with open(root / f".{kind}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_built(path, kind):
-            build(kind, path)
+    if not is_built(path, kind):
+        root.mkdir(parents=True, exist_ok=True)
+        # Two test runs may race to build: the second waits, then finds the build done.
+        with open(root / f".{kind}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not is_built(path, kind):
+                build(kind, path)
+    with contextlib.suppress(OSError):
+        os.utime(path / STAMP)
+    prune_stale(root, kind, keep=path)
     return path
+
+
+def prune_stale(root: Path, kind: str, *, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove `<root>/<kind>-*` builds other than `keep` unused for STALE_BUILD_S."""
+    now = time.time() if now is None else now
+    removed = []
+    for other in root.glob(f"{kind}-*"):
+        if other.resolve() == keep or other.is_symlink() or not other.is_dir():
+            continue
+        try:
+            used = (other / STAMP).stat().st_mtime
+        except OSError:
+            continue  # not a finished build of ours
+        if now - used > STALE_BUILD_S:
+            shutil.rmtree(other, ignore_errors=True)
+            removed.append(other)
+    return removed
 
 
 def link_model(kind: str, link: str | Path, cache_root: str | Path | None = None) -> Path:
