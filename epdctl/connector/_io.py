@@ -45,11 +45,11 @@ def mapped_tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -
 class CudaRegistry:
     """Kept mappings of store files, registered with CUDA: entries DMA to and from the GPU.
 
-    A registered (page-locked in place) mapping loads at the copy engine's speed with no
-    host copy; through pinned staging the load runs at about a quarter of it (H200,
-    benchmarks/connector_cuda.py). Registering costs milliseconds (4.5 ms for 9 MiB,
-    8 ms for 64 MiB there), more than one load saves, so a mapping is registered when it
-    is loaded from a second time: a recycled entry file, the steady state at capacity.
+    A registered (page-locked in place) mapping moves at the copy engine's speed with no
+    host copy; through pinned staging a load or save runs at 0.23-0.40 of it (H200,
+    benchmarks/connector_cuda.py). Registering costs milliseconds (0.8-15 ms for 9-64 MiB
+    there), more than one copy saves, so a mapping is registered when it is used a second
+    time: a recycled entry file, the steady state at capacity.
     The registration goes before its mapping does (MAPPINGS.on_drop).
     """
 
