@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,20 +12,16 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorMetadata,
     ECConnectorRole,
 )
-from vllm.distributed.ec_transfer.ec_connector.utils import (
-    PlaceholderMetadataResolver,
-    collect_ec_item_metadata,
-)
+from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 from vllm.logger import init_logger
 
-from epdctl.cache._format import EntryHeader
 from epdctl.cache.stats import StatsWriter
-from epdctl.cache.store import Miss, Pin, Store, unpin
+from epdctl.cache.store import Store, unpin
 from epdctl.connector import _io
+from epdctl.connector._scheduler import EpdctlECMetadata, SchedulerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.multimodal.inputs import MultiModalFeatureSpec
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -34,30 +29,6 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 DEFAULT_STORE_DIR = "/dev/shm/epdctl"
-# Held pins get fresh names after this long, well inside the janitor's PIN_TTL_S.
-PIN_RENEW_S = 120.0
-
-
-@dataclass(frozen=True)
-class _Load:
-    mm_hash: str
-    paths: tuple[str, ...]  # one pin per loading rank
-    header: EntryHeader
-
-
-@dataclass
-class EpdctlECMetadata(ECConnectorMetadata):
-    """Scheduler -> worker, once per step: entries to load, items to republish."""
-
-    loads: list[_Load] = field(default_factory=list)
-    republish: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Held:
-    pin: Pin
-    requests: set[str]
-    pinned_at: float = field(default_factory=time.monotonic)
 
 
 class EpdctlShmECConnector(ECConnectorBase):
@@ -78,16 +49,16 @@ class EpdctlShmECConnector(ECConnectorBase):
         self._dtype = _io.dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
         parallel = vllm_config.parallel_config
         # Every TP x PCP rank of the first PP stage loads, each through its own pin.
-        self._ranks = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
-        self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
+        ranks = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
         self._stats: StatsWriter | None = None
-        # Scheduler side.
-        self._pins: dict[str, _Held] = {}
-        self._local: dict[str, set[str]] = {}  # request -> items it encodes itself
-        self._failed: set[str] = set()
-        self._unavailable: set[str] = set()
-        self._seen: set[str] = set()
-        self._meta = EpdctlECMetadata()
+        self._sched = SchedulerSide(
+            self._store,
+            engine_id=self._engine_id,
+            dtype=self._dtype,
+            ranks=ranks,
+            resolver=PlaceholderMetadataResolver(vllm_config.model_config),
+            stat=self._stat,
+        )
         # Worker side (lazy: the distributed groups exist only later).
         self._rank: int | None = None
         self._staging: _io.HostStaging | None = None
@@ -102,113 +73,36 @@ class EpdctlShmECConnector(ECConnectorBase):
     def has_cache_item(self, identifier: str) -> bool:
         """Scheduler side: True only for an entry this connector pinned and validated."""
         # E always encodes (False): a fresh save also replaces a damaged entry.
-        return identifier in self._pins
+        return self._sched.has(identifier)
 
     @override
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """Scheduler side: pin every needed entry, or choose local encoding, or fail."""
-        rid = request.request_id
-        if not self.is_consumer:
-            if self.is_producer and rid not in self._seen:
-                self._seen.add(rid)
-                self._refresh(request)
-            return True
-        if rid in self._failed:
-            return False
-        for index, feature in enumerate(request.mm_features):
-            pos = feature.mm_position
-            key = feature.identifier
-            if pos.offset + pos.length <= num_computed_tokens or key in self._local.get(rid, ()):
-                continue
-            if (held := self._pins.get(key)) is not None:
-                held.requests.add(rid)
-                if time.monotonic() - held.pinned_at > PIN_RENEW_S:
-                    # A request can wait long for KV space; stay clear of the janitor's TTL.
-                    held.pin, held.pinned_at = self._store.renew(held.pin), time.monotonic()
-                continue
-            result = self._store.pin(
-                key,
-                engine=self._engine_id,
-                request=rid,
-                index=index,
-                rows=pos.get_num_embeds(),
-                dtype=self._dtype,
-                ranks=self._ranks,
-            )
-            if isinstance(result, Pin):
-                self._pins[key] = _Held(result, {rid})
-                self._stat(key, hits=1)
-                continue
-            self._stat(misses=1, invalid=0 if result.is_missing else 1)
-            if not self._miss(request, feature, result):
-                return False
+        if self.is_consumer:
+            return self._sched.ensure(request, num_computed_tokens)
+        if self.is_producer:
+            self._sched.produce(request)
         return True
-
-    def _miss(self, request: Request, feature: MultiModalFeatureSpec, miss: Miss) -> bool:
-        """Encode locally if the request carries the media; else fail it (retryable)."""
-        rid, key = request.request_id, feature.identifier
-        if _has_model_input(feature, self._resolver.fields_for(feature.modality)):
-            logger.debug("EC store miss for %s (%s): encoding locally", key, miss.reason)
-            self._local.setdefault(rid, set()).add(key)
-            return True
-        logger.warning(
-            "EC store miss for %s (%s) and request %s has no media to encode: failing it",
-            key,
-            miss.reason,
-            rid,
-        )
-        self._failed.add(rid)
-        self._unavailable.add(rid)
-        return False
-
-    def _refresh(self, request: Request) -> None:
-        """Producer: touch entries E answers from; queue local-cache hits the store lacks."""
-        for feature in request.mm_features:
-            if not self._store.touch(feature.identifier):
-                self._meta.republish.append(feature.identifier)
 
     @override
     def take_unavailable_requests(self) -> set[str]:
         """Scheduler side: requests whose entries are gone and that have no media."""
-        taken, self._unavailable = self._unavailable, set()
-        return taken
+        return self._sched.take_unavailable()
 
     @override
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         """Scheduler side: hand a pinned entry to the workers for this step."""
-        key = request.mm_features[index].identifier
-        held = self._pins.pop(key, None)
-        if held is not None:
-            self._meta.loads.append(_Load(key, held.pin.paths, held.pin.header))
+        self._sched.after_alloc(request, index)
 
     @override
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         """Scheduler side: this step's loads; a fresh object each step, never mutated later."""
-        meta, self._meta = self._meta, EpdctlECMetadata()
-        return meta
+        return self._sched.take_meta()
 
     @override
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler side: drop unused pins; on E, report items whose entry is committed."""
-        rid = request.request_id
-        self._local.pop(rid, None)
-        self._failed.discard(rid)
-        self._seen.discard(rid)
-        for feature in request.mm_features:
-            held = self._pins.get(feature.identifier)
-            # Pins never handed to a worker have no load in flight: safe to drop.
-            if held is not None and not (held.requests - {rid}):
-                unpin(held.pin.paths)
-                del self._pins[feature.identifier]
-            elif held is not None:
-                held.requests.discard(rid)
-        if not self.is_producer:
-            return False, None
-        items = collect_ec_item_metadata(request.mm_features, self._resolver)
-        for key, item in items.items():
-            if not self._store.has_entry(key):
-                item["metadata"] = {}  # not saved (store full?): the proxy keeps the media
-        return False, items or None
+        return False, self._sched.finished(request, is_producer=self.is_producer)
 
     @override
     def has_pending_push_work(self) -> bool:
@@ -299,21 +193,9 @@ class EpdctlShmECConnector(ECConnectorBase):
     @override
     def shutdown(self) -> None:
         """Both sides: release pins no worker will read, write the last stats."""
-        for held in self._pins.values():
-            unpin(held.pin.paths)
-        self._pins.clear()
+        self._sched.release_all()
         if self._stats is not None:
             self._stats.close()
-
-
-def _has_model_input(feature: MultiModalFeatureSpec, metadata_fields: set[str]) -> bool:
-    """Whether the item carries media the local encoder can run on (not metadata only)."""
-    # Same rule as vLLM's ECCPU connector: a field outside the placeholder metadata
-    # (pixel values, passthrough embeddings) with data means the item can be encoded.
-    data = feature.data
-    if not data:
-        return False
-    return any(v.data is not None for k, v in data.items() if k not in metadata_fields)
 
 
 def _sync_allowed() -> Any:

@@ -53,7 +53,7 @@ def make(
     )
     conn = EpdctlShmECConnector(cfg, role)  # type: ignore[arg-type]
     _made.append(conn)
-    conn._resolver = Resolver()  # type: ignore[assignment]
+    conn._sched._resolver = Resolver()  # type: ignore[assignment]
     conn._rank = rank  # no torch.distributed here
     return conn
 
@@ -230,7 +230,7 @@ def test_a_vanished_pin_is_logged_not_raised(store_root: Path) -> None:
 def test_held_pins_are_renewed_before_the_janitor_could_expire_them(
     store_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from epdctl.connector import ec
+    from epdctl.connector import _scheduler
 
     produce(store_root, "k", torch.randn(4, 8))
     sched = make(store_root, SCHED, "ec_consumer")
@@ -238,7 +238,7 @@ def test_held_pins_are_renewed_before_the_janitor_could_expire_them(
     assert sched.ensure_cache_available(req, 0)
     (first,) = pins(store_root)
     assert sched.ensure_cache_available(req, 0) and pins(store_root) == [first]
-    monkeypatch.setattr(ec, "PIN_RENEW_S", -1.0)
+    monkeypatch.setattr(_scheduler, "PIN_RENEW_S", -1.0)
     assert sched.ensure_cache_available(req, 0) and sched.has_cache_item("k")
     (renewed,) = pins(store_root)
     assert renewed != first and renewed.rsplit(".", 1)[0] == first.rsplit(".", 1)[0]

@@ -1,0 +1,193 @@
+"""The scheduler side of the connector: pins, local-encode choices, per-step metadata."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
+from vllm.distributed.ec_transfer.ec_connector.utils import (
+    PlaceholderMetadataResolver,
+    collect_ec_item_metadata,
+)
+from vllm.logger import init_logger
+
+from epdctl.cache._format import EntryHeader
+from epdctl.cache.store import Miss, Pin, Store, unpin
+
+if TYPE_CHECKING:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.v1.request import Request
+
+logger = init_logger(f"vllm.{__name__}")
+
+# Held pins get fresh names after this long, well inside the janitor's PIN_TTL_S.
+PIN_RENEW_S = 120.0
+
+
+@dataclass(frozen=True)
+class Load:
+    mm_hash: str
+    paths: tuple[str, ...]  # one pin per loading rank
+    header: EntryHeader
+
+
+@dataclass
+class EpdctlECMetadata(ECConnectorMetadata):
+    """Scheduler -> worker, once per step: entries to load, items to republish."""
+
+    loads: list[Load] = field(default_factory=list)
+    republish: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Held:
+    pin: Pin
+    requests: set[str]
+    pinned_at: float = field(default_factory=time.monotonic)
+
+
+class SchedulerSide:
+    """What the scheduler process keeps: validated pins and each request's fate."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        engine_id: str,
+        dtype: str | None,
+        ranks: int,
+        resolver: PlaceholderMetadataResolver,
+        stat: Callable[..., None],
+    ) -> None:
+        self._store = store
+        self._engine_id = engine_id
+        self._dtype = dtype
+        self._ranks = ranks
+        self._resolver = resolver
+        self._stat = stat
+        self._pins: dict[str, _Held] = {}
+        self._local: dict[str, set[str]] = {}  # request -> items it encodes itself
+        self._failed: set[str] = set()
+        self._unavailable: set[str] = set()
+        self._seen: set[str] = set()
+        self._meta = EpdctlECMetadata()
+
+    def has(self, key: str) -> bool:
+        return key in self._pins
+
+    def produce(self, request: Request) -> None:
+        """Producer: touch entries E answers from; queue local-cache hits the store lacks."""
+        if request.request_id in self._seen:
+            return
+        self._seen.add(request.request_id)
+        for feature in request.mm_features:
+            if not self._store.touch(feature.identifier):
+                self._meta.republish.append(feature.identifier)
+
+    def ensure(self, request: Request, num_computed_tokens: int) -> bool:
+        """Consumer: pin every needed entry, or choose local encoding, or fail."""
+        rid = request.request_id
+        if rid in self._failed:
+            return False
+        for index, feature in enumerate(request.mm_features):
+            pos = feature.mm_position
+            key = feature.identifier
+            if pos.offset + pos.length <= num_computed_tokens or key in self._local.get(rid, ()):
+                continue
+            if (held := self._pins.get(key)) is not None:
+                held.requests.add(rid)
+                if time.monotonic() - held.pinned_at > PIN_RENEW_S:
+                    # A request can wait long for KV space; stay clear of the janitor's TTL.
+                    held.pin, held.pinned_at = self._store.renew(held.pin), time.monotonic()
+                continue
+            result = self._store.pin(
+                key,
+                engine=self._engine_id,
+                request=rid,
+                index=index,
+                rows=pos.get_num_embeds(),
+                dtype=self._dtype,
+                ranks=self._ranks,
+            )
+            if isinstance(result, Pin):
+                self._pins[key] = _Held(result, {rid})
+                self._stat(key, hits=1)
+                continue
+            self._stat(misses=1, invalid=0 if result.is_missing else 1)
+            if not self._miss(request, feature, result):
+                return False
+        return True
+
+    def _miss(self, request: Request, feature: MultiModalFeatureSpec, miss: Miss) -> bool:
+        """Encode locally if the request carries the media; else fail it (retryable)."""
+        rid, key = request.request_id, feature.identifier
+        if _has_model_input(feature, self._resolver.fields_for(feature.modality)):
+            logger.debug("EC store miss for %s (%s): encoding locally", key, miss.reason)
+            self._local.setdefault(rid, set()).add(key)
+            return True
+        logger.warning(
+            "EC store miss for %s (%s) and request %s has no media to encode: failing it",
+            key,
+            miss.reason,
+            rid,
+        )
+        self._failed.add(rid)
+        self._unavailable.add(rid)
+        return False
+
+    def take_unavailable(self) -> set[str]:
+        taken, self._unavailable = self._unavailable, set()
+        return taken
+
+    def after_alloc(self, request: Request, index: int) -> None:
+        """Hand a pinned entry to the workers for this step."""
+        key = request.mm_features[index].identifier
+        held = self._pins.pop(key, None)
+        if held is not None:
+            self._meta.loads.append(Load(key, held.pin.paths, held.pin.header))
+
+    def take_meta(self) -> EpdctlECMetadata:
+        """This step's metadata: a fresh object each step, never mutated later."""
+        meta, self._meta = self._meta, EpdctlECMetadata()
+        return meta
+
+    def finished(self, request: Request, *, is_producer: bool) -> dict[str, Any] | None:
+        """Drop unused pins; on E, the items whose entry is committed (for the proxy)."""
+        rid = request.request_id
+        self._local.pop(rid, None)
+        self._failed.discard(rid)
+        self._seen.discard(rid)
+        for feature in request.mm_features:
+            held = self._pins.get(feature.identifier)
+            # Pins never handed to a worker have no load in flight: safe to drop.
+            if held is not None and not (held.requests - {rid}):
+                unpin(held.pin.paths)
+                del self._pins[feature.identifier]
+            elif held is not None:
+                held.requests.discard(rid)
+        if not is_producer:
+            return None
+        items = collect_ec_item_metadata(request.mm_features, self._resolver)
+        for key, item in items.items():
+            if not self._store.has_entry(key):
+                item["metadata"] = {}  # not saved (store full?): the proxy keeps the media
+        return items or None
+
+    def release_all(self) -> None:
+        """Drop every pin no worker will read (shutdown)."""
+        for held in self._pins.values():
+            unpin(held.pin.paths)
+        self._pins.clear()
+
+
+def _has_model_input(feature: MultiModalFeatureSpec, metadata_fields: set[str]) -> bool:
+    """Whether the item carries media the local encoder can run on (not metadata only)."""
+    # Same rule as vLLM's ECCPU connector: a field outside the placeholder metadata
+    # (pixel values, passthrough embeddings) with data means the item can be encoded.
+    data = feature.data
+    if not data:
+        return False
+    return any(v.data is not None for k, v in data.items() if k not in metadata_fields)
