@@ -69,7 +69,9 @@ class Mappings:
         with self._lock:
             m = self._maps.get(key)
             if m is not None and m.length < size:
-                self._drop(key)  # mapped while the file was shorter (never ours, but safe)
+                # Mapped while the file was shorter (epdctl's files only shrink; safe anyway).
+                if not self._drop(key):
+                    os.close(self._maps.pop(key).fd)  # in use: its view keeps it mapped
                 m = None
             if m is None:
                 m = _map(fd, st.st_size, write)
