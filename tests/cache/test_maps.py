@@ -113,3 +113,16 @@ def test_a_forked_child_maps_and_sweeps_on_its_own(tmp_path: Path) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     os.close(fd)
+
+
+def test_a_file_grown_past_its_mapping_is_mapped_again(tmp_path: Path) -> None:
+    maps = Mappings(sweep_s=3600)
+    fd = make(tmp_path / "a", b"a" * 4096)
+    old = maps.view(fd, 4096, write=False)  # still in use while the file grows
+    os.ftruncate(fd, 8192)
+    with maps.view(fd, 8192, write=False) as v:
+        assert bytes(v[:1]) == b"a" and v.nbytes == 8192
+    assert bytes(old[:1]) == b"a" and len(maps) == 1
+    old.release()
+    os.close(fd)
+    maps.clear()
