@@ -2,10 +2,12 @@
 
     .venv/bin/python benchmarks/connector.py [--reps 15] [--dir /dev/shm]
 
-For each encoder-output size, times (best of --reps, the four taking turns):
-  ours     publish from a torch tensor + pin + read into a preallocated tensor + unpin,
-           in steady state: the replaced entry's tmpfs pages are recycled (as at capacity)
-  fresh    the same on new tmpfs pages every time (a store still filling up)
+For each encoder-output size, times (best of --reps, the four taking turns, each from
+caches holding none of its bytes: see best_of):
+  ours     publish from a torch tensor + pin + read into a preallocated tensor + unpin
+           (the connector's own functions), in steady state: the replaced entry's file is
+           recycled, its pages and this process's mapping of it reused (as at capacity)
+  fresh    the same into a new file every time (a store still filling up)
   example  safetensors save_file + load_file + copy into the preallocated tensor
            (what ECExampleConnector does, on the same tmpfs)
   memcpy   one copy of the same bytes into the preallocated tensor
