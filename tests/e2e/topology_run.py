@@ -115,6 +115,14 @@ def topology_with_baseline(
 ) -> Iterator[tuple[TopologyRun, Server]]:
     """`up -d` the topology while an aggregated baseline starts; down and clean up after."""
     run = TopologyRun(path, state_root, cache_dir, cli_env())
+    with release_new_semaphores():
+        yield from _with_baseline(run, path, cache_dir, state_root, baseline_model, baseline_args)
+
+
+def _with_baseline(
+    run: TopologyRun, path: Path, cache_dir: Path, state_root: Path, baseline_model: Path,
+    baseline_args: Sequence[str],
+) -> Iterator[tuple[TopologyRun, Server]]:
     baseline = start_vllm(baseline_model, log_path=state_root / "baseline.log",
                           name="baseline", args=baseline_args)
     try:
@@ -129,6 +137,27 @@ def topology_with_baseline(
             run.cli("down", "--name", run.name, timeout_s=90)
         _stop_leftovers(run)
         shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _semaphores() -> set[str]:
+    try:
+        return {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+    except OSError:
+        return set()
+
+
+@contextmanager
+def release_new_semaphores() -> Iterator[None]:
+    """Unlink the Python multiprocessing semaphores (`sem.mp-*`) that appeared inside and
+    that no live process maps: a SIGKILLed engine's helper processes can leave them, created
+    after the last snapshot the supervisor took, so neither it nor `down` knows them."""
+    from epdctl.shm import release
+
+    before = _semaphores()
+    try:
+        yield
+    finally:
+        release(_semaphores() - before)
 
 
 def _stop_leftovers(run: TopologyRun) -> None:

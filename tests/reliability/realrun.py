@@ -16,7 +16,13 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.e2e.topology_run import READY_TIMEOUT_S, TopologyRun, _stop_leftovers, cli_env
+from tests.e2e.topology_run import (
+    READY_TIMEOUT_S,
+    TopologyRun,
+    _stop_leftovers,
+    cli_env,
+    release_new_semaphores,
+)
 from tests.reliability.helpers import edit_topology, wait_for
 from tests.vllm_harness import copy_topology, image_data_url, make_image
 
@@ -51,15 +57,16 @@ def topology(src: str, tmp: Path, model: Path, cache_dir: Path,
     `down` after, and stop whatever `down` missed."""
     path = edit_topology(copy_topology(src, tmp, model=model, cache_dir=cache_dir), change)
     run = TopologyRun(path, tmp / "state", cache_dir, cli_env())
-    try:
-        up = run.cli("up", str(path), "-d", "--timeout", str(READY_TIMEOUT_S),
-                     timeout_s=READY_TIMEOUT_S + 60)
-        assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
-        yield run
-    finally:
-        if run.is_up():
-            run.cli("down", "--name", run.name, timeout_s=90)
-        _stop_leftovers(run)
+    with release_new_semaphores():
+        try:
+            up = run.cli("up", str(path), "-d", "--timeout", str(READY_TIMEOUT_S),
+                         timeout_s=READY_TIMEOUT_S + 60)
+            assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
+            yield run
+        finally:
+            if run.is_up():
+                run.cli("down", "--name", run.name, timeout_s=90)
+            _stop_leftovers(run)
 
 
 @contextmanager
