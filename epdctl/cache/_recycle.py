@@ -1,9 +1,12 @@
 """Recycling evicted entry files: overwriting allocated tmpfs pages is ~2x faster than new ones.
 
 A fresh tmpfs file costs a page allocation (and zeroing) per 4 KiB before the copy; an
-evicted entry's pages are already there. Safety rests on one invariant: a file in `free/`
-has no name under `entries/`, so no new pin (a hard link of an entries/ name) can reach
-it, and a writer claims it only after seeing `st_nlink == 1` (no pin left either).
+evicted entry's pages are already there, and so are the writer's and readers' kept
+mappings of it (`_maps`), which turn both copies into plain memcpys.
+
+Safety rests on one invariant: a file in `free/` has no name under `entries/`, so no new
+pin (a hard link of an entries/ name) can reach it, and a writer claims it only after
+seeing `st_nlink == 1` (no pin left either).
 """
 
 from __future__ import annotations
