@@ -21,15 +21,22 @@ FREE_MAX_FILES = 8  # enough for a few steps' worth of saves; more is just held 
 FREE_TTL_S = 60.0  # an unused free file goes back to the kernel after this long
 
 
-def _slot(free_dir: Path, size: int) -> str | None:
-    """A fresh pool name for a file of `size` bytes, or None when the pool is full."""
-    try:
-        if len(os.listdir(free_dir)) >= FREE_MAX_FILES:
-            return None
-    except OSError:
-        return None
+def _pool_name(free_dir: Path, size: int) -> str:
     # The size leads the name: claim() picks a file without a stat per candidate.
     return f"{free_dir}/{size}.{secrets.token_hex(6)}"
+
+
+def _pool_size(free_dir: Path) -> int:
+    """Files in the pool; a missing or unreadable pool counts as full."""
+    try:
+        return len(os.listdir(free_dir))
+    except OSError:
+        return FREE_MAX_FILES + 1
+
+
+def _slot(free_dir: Path, size: int) -> str | None:
+    """A fresh pool name for a file of `size` bytes, or None when the pool is full."""
+    return None if _pool_size(free_dir) >= FREE_MAX_FILES else _pool_name(free_dir, size)
 
 
 def _named_size(name: str) -> int:
@@ -64,12 +71,12 @@ def keep_aside(entry: str, free_dir: Path, size: int, *, check_room: bool = True
     pinned entry may slip in here) before it reuses one. `check_room=False` skips
     counting the pool when the caller has just taken a file out of it.
     """
-    dst = f"{free_dir}/{size}.{secrets.token_hex(6)}"
+    dst = _pool_name(free_dir, size)
     try:
         os.link(entry, dst)
     except OSError:
         return None  # a new key (nothing is replaced), or the pool is gone
-    if check_room and len(os.listdir(free_dir)) > FREE_MAX_FILES:
+    if check_room and _pool_size(free_dir) > FREE_MAX_FILES:
         os.unlink(dst)
         return None
     return dst

@@ -103,7 +103,7 @@ class Store:
         """
         header = encode_header(key, self.namespace, dtype, shape, time.time_ns())
         nbytes = payload_nbytes(dtype, shape)
-        fill = data if callable(data) else _copier(data, nbytes)
+        fill = data if callable(data) else _fill_from(data, nbytes)
         name = key_filename(key)
         tmp = f"{self.tmp}/{name}.{os.getpid()}.{next(_tmp_ids)}"
         total = len(header) + nbytes
@@ -242,7 +242,7 @@ def read_into(path: str, header: EntryHeader, out: Buffer | Drain) -> None:
     `out`: a writable buffer, or a function that copies out of the mapped payload (a
     read-only memoryview of exactly header.nbytes).
     """
-    drain = out if callable(out) else _copier(out, header.nbytes, into=True)
+    drain = out if callable(out) else _drain_into(out, header.nbytes)
     with map_entry(path, header) as payload:
         if header.nbytes:
             drain(payload)
@@ -264,20 +264,31 @@ def map_entry(path: str, header: EntryHeader, *, write: bool = False) -> memoryv
         os.close(fd)
 
 
-def _copier(buf: Buffer, nbytes: int, *, into: bool = False) -> Fill:
-    """A Fill (or, `into`, a Drain) for a plain buffer: one memcpy."""
+def _checked(buf: Buffer, nbytes: int) -> memoryview:
     view = memoryview(buf).cast("B")
     if view.nbytes != nbytes:
-        side = "destination holds" if into else "given"
-        raise ValueError(f"{view.nbytes} bytes {side}, the entry has {nbytes}")
+        raise ValueError(f"the buffer holds {view.nbytes} bytes, the entry {nbytes}")
+    return view
+
+
+def _fill_from(buf: Buffer, nbytes: int) -> Fill:
+    """A Fill that copies a plain buffer into the entry (one memcpy)."""
+    view = _checked(buf, nbytes)
 
     def fill(mapped: memoryview) -> None:
         mapped[:] = view
 
+    return fill
+
+
+def _drain_into(buf: Buffer, nbytes: int) -> Drain:
+    """A Drain that copies the entry into a plain writable buffer (one memcpy)."""
+    view = _checked(buf, nbytes)
+
     def drain(mapped: memoryview) -> None:
         view[:] = mapped
 
-    return drain if into else fill
+    return drain
 
 
 def unpin(paths: tuple[str, ...] | list[str]) -> None:
