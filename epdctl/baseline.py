@@ -8,12 +8,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from epdctl.errors import EpdctlError, StartupError
-from epdctl.launcher import Proc, describe_failure, exit_text, probe, spawn
-from epdctl.plan import LaunchSpec
+from epdctl.launcher import Proc, describe_failure, exit_text, spawn
+from epdctl.readiness import is_ready
+from epdctl.spec import LaunchSpec
 
 NAME = "verify-baseline"
-# Transfer configs make an instance a disaggregated one; the baseline runs without them.
-TRANSFER_FLAGS = ("--ec-transfer-config", "--kv-transfer-config")
 NOT_FOR_BASELINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)
 
 
@@ -45,27 +44,14 @@ def first_model(base_url: str, headers: Mapping[str, str] | None = None) -> str:
 def baseline_spec(
     spec: LaunchSpec, port: int, log_path: Path, gpus: Sequence[str] | None = None
 ) -> LaunchSpec:
-    """An aggregated twin of a PD/prefill instance: same argv and env, no EC/KV transfer."""
-    argv: list[str] = []
-    args = iter(spec.argv)
-    for arg in args:
-        name = arg.partition("=")[0]
-        if name in TRANSFER_FLAGS:
-            if "=" not in arg:
-                next(args, None)
-            continue
-        if name == "--port":
-            if "=" not in arg:
-                next(args, None)
-            argv += ["--port", str(port)]
-            continue
-        argv.append(arg)
+    """An aggregated twin of a PD/prefill instance: same argv and env, no EC/KV transfer
+    (transfer configs are what make an instance a disaggregated one)."""
     env = {k: v for k, v in spec.env.items() if k not in NOT_FOR_BASELINE_ENV}
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    return replace(spec, name=NAME, role="baseline", argv=tuple(argv), env=env,
-                   port=port, log_path=log_path, health_url=f"http://127.0.0.1:{port}/health",
-                   gpus=tuple(gpus or ()), side_channel_port=None, start_after=())
+    return replace(spec, name=NAME, role="baseline", ec_config=None, kv_config=None, env=env,
+                   port=port, log_path=log_path, gpus=tuple(gpus or ()),
+                   side_channel_port=None, start_after=())
 
 
 def parse_gpus(device: str, gpus: str | None) -> list[str] | None:
@@ -93,7 +79,7 @@ def start(specs: Sequence[LaunchSpec], run_dir: Path,
 
 def wait_ready(spec: LaunchSpec, proc: Proc, deadline: float, timeout_s: float) -> None:
     """Until /health answers 200; StartupError (with the log tail) on exit or deadline."""
-    while probe(spec.health_url) != 200:
+    while not is_ready(spec.health_url):
         code = proc.popen.poll() if proc.popen is not None else None
         if code is not None:
             raise StartupError(describe_failure(spec.name, exit_text(code), spec.log_path, code))

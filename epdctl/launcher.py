@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import os
 import re
 import shlex
@@ -13,15 +12,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from epdctl.errors import EpdctlError
-from epdctl.plan import LaunchSpec
-from epdctl.shm import release
-from epdctl.state import Record, RunState, StateDir, process_matches
+from epdctl.readiness import probe
+from epdctl.spec import LaunchSpec
+from epdctl.state import Record, process_matches
+
+__all__ = ["Proc", "StopResult", "describe_failure", "exit_text", "group_alive", "likely_cause",
+           "probe", "scan_marked", "spawn", "stop_all", "tail"]
 
 STOP_TIMEOUT_S = 30.0
-HEALTH_TIMEOUT_S = 1.0
 TAIL_LINES = 40
 # Every process we start carries these, so `down --force` can find it by identity even when
 # state.json is gone. Not EPDCTL_STATE_DIR: that is the CLI's root option, and an epdctl run
@@ -87,19 +86,6 @@ def spawn(spec: LaunchSpec, run_dir: Path) -> Proc:
     except psutil.NoSuchProcess:  # died at once and was reaped by no one yet: keep going
         created = time.time()
     return Proc(spec.name, popen.pid, popen.pid, created, popen)
-
-
-def probe(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> int | None:
-    """HTTP status of GET url, or None when nothing answers."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
-    try:
-        conn.request("GET", parts.path or "/")
-        return conn.getresponse().status
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
 
 
 def tail(path: Path, n: int = TAIL_LINES) -> list[str]:
@@ -233,39 +219,3 @@ def scan_marked(run_dir: Path) -> list[Proc]:
     return list(found.values())
 
 
-
-def stop_run(
-    sdir: StateDir, state: RunState | None, timeout_s: float = STOP_TIMEOUT_S, *,
-    should_scan: bool = False,
-) -> StopResult:
-    """`down`: ask the supervisor to stop, then stop whatever is left (stopped = was alive)."""
-    deadline = time.monotonic() + timeout_s
-    procs: list[Proc] = []
-    if state is not None:
-        # Supervisor first (a stuck one must not restart what we stop), then proxy first.
-        records = [state.records[s.name] for s in reversed(state.specs) if s.name in state.records]
-        procs = [Proc.of(r) for r in ([state.supervisor] if state.supervisor else []) + records]
-    if should_scan:
-        known = {p.pgid for p in procs}
-        procs += [p for p in scan_marked(sdir.path) if p.pgid not in known]
-    alive = [p.name for p in procs if process_matches(p.pid, p.create_time)
-             or (p.pgid != p.pid and group_alive(p.pgid))]
-    sup = state.supervisor if state else None
-    is_sup_alive = sup is not None and bool(process_matches(sup.pid, sup.create_time))
-    if sup is not None and is_sup_alive:
-        os.kill(sup.pid, signal.SIGTERM)  # it stops the groups itself, proxy first
-        while process_matches(sup.pid, sup.create_time) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    # Past the deadline a second SIGTERM makes a live supervisor SIGKILL at once, too.
-    last = stop_all(procs, max(deadline - time.monotonic(), 0.5))
-    if state is not None:
-        for record in state.records.values():
-            release(record.shm_files)
-    killed = list(last.killed)
-    if is_sup_alive:  # what it SIGKILLed itself, it wrote down
-        try:
-            killed += [n for n in sdir.read().killed if n not in killed]
-        except EpdctlError:
-            pass
-    stopped = [n for n in alive if n not in killed and n not in last.stale]
-    return StopResult(stopped=stopped, killed=killed, stale=last.stale)

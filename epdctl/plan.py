@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import shlex
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from epdctl import cache
 from epdctl.errors import PlanError
+from epdctl.proxy.config import ProxyConfig
+from epdctl.spec import HOST, PROXY_ROLE, LaunchSpec, Plan
 from epdctl.topology import (
     NAMESPACE_FLAGS,
     ROLE_NAMES,
@@ -23,68 +25,17 @@ from epdctl.topology import (
 )
 
 __all__ = [
-    "NAMESPACE_FLAGS", "LaunchSpec", "Plan", "compute_namespace", "ec_transfer_config",
-    "flag_value", "kv_transfer_config", "plan",
+    "HOST", "NAMESPACE_FLAGS", "LaunchSpec", "Plan", "compute_namespace", "ec_transfer_config",
+    "flag_value", "kv_transfer_config", "plan", "proxy_config",
 ]
 
-HOST = "127.0.0.1"
 CPU_ENGINE_COMMAND = ("{python}", "-m", "epdctl.engines.vllm_cpu", "serve")
 GPU_ENGINE_COMMAND = ("vllm", "serve")
+PROXY_COMMAND = ("{python}", "-m", "epdctl.proxy")
 PROXY_NAME = "proxy"
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """One process epdctl starts: an engine instance or the proxy."""
-
-    name: str
-    role: str
-    """encode, prefill_decode, prefill, decode or proxy."""
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    port: int
-    log_path: Path
-    health_url: str
-    gpus: tuple[str, ...] = ()
-    """Device ids as written into CUDA_VISIBLE_DEVICES."""
-    side_channel_port: int | None = None
-    start_after: tuple[str, ...] = ()
-    """Instances that must be ready before this one starts (they share a GPU with it)."""
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def shell(self) -> str:
-        """The command as one shell line, env first."""
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return f"{env} {shlex.join(self.argv)}".strip()
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything `up` needs, decided before anything starts."""
-
-    name: str
-    mode: str
-    state_dir: Path
-    namespace: str
-    store_dir: Path
-    model_name: str
-    instances: tuple[LaunchSpec, ...]
-    proxy: LaunchSpec
-    notes: tuple[str, ...] = field(default=())
-
-    @property
-    def specs(self) -> tuple[LaunchSpec, ...]:
-        """Engines first, the proxy last: the order things start in."""
-        return (*self.instances, self.proxy)
-
-    def spec(self, name: str) -> LaunchSpec:
-        for spec in self.specs:
-            if spec.name == name:
-                return spec
-        raise KeyError(name)
+# The proxy's URL flag for each role's instances.
+PROXY_ROLE_FIELD = {"encode": "encode", "prefill_decode": "pd", "prefill": "prefill",
+                    "decode": "decode"}
 
 
 def model_fingerprint(model: str) -> str:
@@ -268,22 +219,13 @@ def plan(
         role = topology.roles[role_name]
         name = f"{ROLE_PREFIX[role_name]}-{replica}"
         port = http_ports[index]
-        argv = [*command, topology.model, "--host", HOST, "--port", str(port)]
-        if topology.served_model_name:
-            argv += ["--served-model-name", topology.served_model_name]
-        if role.tensor_parallel > 1:
-            argv += ["--tensor-parallel-size", str(role.tensor_parallel)]
-        if role.gpu_memory_utilization is not None:
-            argv += ["--gpu-memory-utilization", str(role.gpu_memory_utilization)]
-        argv += [*topology.engine.args, *role.args]
         env = {**topology.engine.env, **role.env}
+        ec = None
         if "encode" in topology.roles:
             ec = ec_transfer_config(topology, role_name, namespace, f"{topology.name}-{name}")
-            argv += ["--ec-transfer-config", json.dumps(ec, separators=(",", ":"))]
-        side = None
+        side, kv = None, None
         if role_name in ("prefill", "decode"):
             kv = kv_transfer_config(topology, role_name, state_dir)
-            argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
             side = next(side_ports)
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
         devices: tuple[str, ...] = ()
@@ -303,10 +245,12 @@ def plan(
         else:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(index, len(order), cpu_count))
         specs.append(LaunchSpec(
-            name=name, role=role_name, argv=tuple(argv), env=env, port=port,
-            log_path=state_dir / "logs" / f"{name}.log",
-            health_url=f"http://{HOST}:{port}/health", gpus=devices,
-            side_channel_port=side, start_after=tuple(after),
+            name=name, role=role_name, command=(*command, topology.model), port=port,
+            log_path=state_dir / "logs" / f"{name}.log", args=(*topology.engine.args, *role.args),
+            served_model_name=topology.served_model_name,
+            tensor_parallel=role.tensor_parallel,
+            gpu_memory_utilization=role.gpu_memory_utilization, ec_config=ec, kv_config=kv,
+            env=env, gpus=devices, side_channel_port=side, start_after=tuple(after),
         ))
     _check_sharing(owners)
     proxy = _proxy_spec(topology, state_dir, specs, python)
@@ -317,30 +261,25 @@ def plan(
     )
 
 
+def proxy_config(topology: Topology, instances: Sequence[LaunchSpec]) -> ProxyConfig:
+    """The proxy's knobs: topology.proxy mapped by name (`x` or `x_s`), plus the instances."""
+    names = {f.name for f in dataclasses.fields(ProxyConfig)}
+    knobs: dict[str, Any] = {}
+    for key, value in topology.proxy.model_dump().items():
+        knobs[key if key in names else f"{key}_s"] = value
+    for spec in instances:
+        key = PROXY_ROLE_FIELD[spec.role]
+        knobs[key] = (*knobs.get(key, ()), spec.url)
+    return ProxyConfig(models=(topology.model_name,), **knobs)
+
+
 def _proxy_spec(
     topology: Topology, state_dir: Path, specs: list[LaunchSpec], python: str
 ) -> LaunchSpec:
-    p = topology.proxy
-    argv = [python, "-m", "epdctl.proxy", "--host", p.host, "--port", str(p.port),
-            "--model", topology.model_name]
-    flag = {"encode": "--encode", "prefill_decode": "--pd", "prefill": "--prefill",
-            "decode": "--decode"}
-    for spec in specs:
-        argv += [flag[spec.role], spec.url]
-    argv += [
-        "--encode-timeout", str(p.encode_timeout),
-        "--prefill-timeout", str(p.prefill_timeout),
-        "--decode-timeout", str(p.decode_timeout),
-        "--stream-idle-timeout", str(p.stream_idle_timeout),
-        "--max-inflight", str(p.max_inflight),
-    ]
-    if not p.metadata_rewrite:
-        argv.append("--no-metadata-rewrite")
-    env = {"EPDCTL_PROXY_API_KEY": p.api_key} if p.api_key else {}
-    host = HOST if p.host in ("0.0.0.0", "::") else p.host
-    host = f"[{host}]" if ":" in host else host
+    config = proxy_config(topology, specs)
     return LaunchSpec(
-        name=PROXY_NAME, role="proxy", argv=tuple(argv), env=env, port=p.port,
-        log_path=state_dir / "logs" / f"{PROXY_NAME}.log",
-        health_url=f"http://{host}:{p.port}/health",
+        name=PROXY_NAME, role=PROXY_ROLE,
+        command=tuple(python if part == "{python}" else part for part in PROXY_COMMAND),
+        host=config.host, port=config.port, args=tuple(config.to_argv(exclude=("host", "port"))),
+        env=config.env(), log_path=state_dir / "logs" / f"{PROXY_NAME}.log",
     )

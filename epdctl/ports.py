@@ -8,7 +8,7 @@ import socket
 from collections.abc import Iterable
 
 from epdctl.errors import PlanError
-from epdctl.plan import HOST, Plan, flag_value
+from epdctl.spec import HOST, Plan
 
 
 def _bind_error(port: int, host: str) -> OSError | None:
@@ -58,8 +58,7 @@ def check_plan_ports(plan: Plan) -> None:
         wanted.append((spec.port, f"`{spec.name}`", HOST))
         if spec.side_channel_port is not None:
             wanted.append((spec.side_channel_port, f"`{spec.name}` (NIXL side channel)", HOST))
-    proxy_host = flag_value(plan.proxy.argv, "--host") or HOST
-    wanted.append((plan.proxy.port, f"`{plan.proxy.name}`", proxy_host))
+    wanted.append((plan.proxy.port, f"`{plan.proxy.name}`", plan.proxy.host))
     problems = []
     for port, what, host in wanted:
         error = _bind_error(port, host)

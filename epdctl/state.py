@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from epdctl.errors import AlreadyRunningError, EpdctlError, NotRunningError, StateError
-from epdctl.plan import LaunchSpec, Plan
+from epdctl.proxy.config import API_KEY_ENV
+from epdctl.spec import HOST, PROXY_ROLE, LaunchSpec, Plan, connect_url
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 # Kept by `down` instead of state.json, so `logs` still knows names and their order.
 LAST_RUN = "last-run.json"
 Phase = Literal["starting", "running", "stopping", "stopped", "failed", "exited"]
@@ -23,35 +25,51 @@ _CONFIG = ConfigDict(extra="forbid")
 
 
 class SpecModel(BaseModel):
-    """A LaunchSpec as stored in state.json."""
+    """A LaunchSpec as stored in state.json: the same fields (argv stays derived)."""
 
     model_config = _CONFIG
     name: str
     role: str
-    argv: list[str]
-    env: dict[str, str]
+    command: list[str]
     port: int
     log_path: str
-    health_url: str
+    host: str = HOST
+    args: list[str] = []
+    served_model_name: str | None = None
+    tensor_parallel: int = 1
+    gpu_memory_utilization: float | None = None
+    ec_config: dict[str, Any] | None = None
+    kv_config: dict[str, Any] | None = None
+    env: dict[str, str] = {}
     gpus: list[str] = []
     side_channel_port: int | None = None
     start_after: list[str] = []
 
     @classmethod
     def of(cls, spec: LaunchSpec) -> SpecModel:
-        return cls(
-            name=spec.name, role=spec.role, argv=list(spec.argv), env=dict(spec.env),
-            port=spec.port, log_path=str(spec.log_path), health_url=spec.health_url,
-            gpus=list(spec.gpus), side_channel_port=spec.side_channel_port,
-            start_after=list(spec.start_after),
-        )
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        fields["log_path"] = str(spec.log_path)
+        return cls.model_validate(fields)
 
     def spec(self) -> LaunchSpec:
-        return LaunchSpec(
-            name=self.name, role=self.role, argv=tuple(self.argv), env=self.env, port=self.port,
-            log_path=Path(self.log_path), health_url=self.health_url, gpus=tuple(self.gpus),
-            side_channel_port=self.side_channel_port, start_after=tuple(self.start_after),
-        )
+        fields: dict[str, Any] = {
+            name: tuple(value) if isinstance(value, list) else value
+            for name, value in self.model_dump().items()
+        }
+        fields["log_path"] = Path(self.log_path)
+        return LaunchSpec(**fields)
+
+    @property
+    def url(self) -> str:
+        return connect_url(self.host, self.port)
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/health"
+
+    @property
+    def is_proxy(self) -> bool:
+        return self.role == PROXY_ROLE
 
 
 class Record(BaseModel):
@@ -117,7 +135,17 @@ class RunState(BaseModel):
 
     @property
     def proxy(self) -> SpecModel:
-        return self.specs[-1]
+        return next(s for s in self.specs if s.is_proxy)
+
+    @property
+    def engines(self) -> list[SpecModel]:
+        """The engine instances, in start order."""
+        return [s for s in self.specs if not s.is_proxy]
+
+    @property
+    def proxy_api_key(self) -> str | None:
+        """The key the proxy requires (None: open), for epdctl's own requests through it."""
+        return self.proxy.env.get(API_KEY_ENV)
 
 
 def process_matches(pid: int, create_time: float) -> bool | None:

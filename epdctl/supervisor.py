@@ -19,15 +19,14 @@ from epdctl.launcher import (
     StopResult,
     describe_failure,
     exit_text,
-    probe,
     spawn,
     stop_all,
 )
-from epdctl.plan import LaunchSpec
+from epdctl.readiness import STARTUP_TIMEOUT_S, is_ready, judge
 from epdctl.shm import mapped_files, release
+from epdctl.spec import LaunchSpec
 from epdctl.state import Record, RunState, StateDir
 
-STARTUP_TIMEOUT_S = 600.0
 TICK_S = 0.2
 HEALTH_INTERVAL_S = 5.0
 JANITOR_INTERVAL_S = 5.0
@@ -161,15 +160,15 @@ class Supervisor:
     def _start_due(self) -> None:
         now = time.monotonic()
         ready = {s.spec.name for s in self.slots if self._state(s) == "ready"}
-        engines = {s.spec.name for s in self.slots[:-1]}
-        for index, slot in enumerate(self.slots):
+        engines = {s.spec.name for s in self.slots if not s.spec.is_proxy}
+        for slot in self.slots:
             if slot.proc is not None:
                 continue
             record = self.state.records.get(slot.spec.name)
             if record is not None and (slot.restart_at is None or now < slot.restart_at):
                 continue
             # The proxy starts last; GPU sharers wait for whoever holds the GPU first.
-            needs = engines if index == len(self.slots) - 1 else set(slot.spec.start_after)
+            needs = engines if slot.spec.is_proxy else set(slot.spec.start_after)
             if not needs <= ready:
                 continue
             restarts = record.restarts + 1 if record else 0
@@ -189,13 +188,13 @@ class Supervisor:
             if record.state != "starting" and now - slot.probed_at < HEALTH_INTERVAL_S:
                 continue
             slot.probed_at = now
-            is_ok = probe(slot.spec.health_url) == 200
+            is_ok = is_ready(slot.spec.health_url)
             if is_ok:
                 known = set(record.shm_files)
                 record.shm_files = sorted(known | set(mapped_files(slot.proc.pgid)))
                 if len(record.shm_files) != len(known):
                     self._save()
-            new = "ready" if is_ok else ("starting" if record.ready_at is None else "unhealthy")
+            new = judge(True, is_ok, record.ready_at is not None)
             if is_ok and record.ready_at is None:
                 record.ready_at = time.time()
             if new != record.state:

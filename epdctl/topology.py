@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from epdctl._topology_file import Problems, format_errors, invalid, read_yaml, show
+from epdctl.proxy.config import defaults as _proxy_defaults
 
 RoleName = Literal["encode", "prefill_decode", "prefill", "decode"]
 ROLE_NAMES: tuple[RoleName, ...] = ("encode", "prefill_decode", "prefill", "decode")
@@ -158,29 +159,36 @@ class KV(BaseModel):
     """`kv_connector_extra_config` given to P and D."""
 
 
+_PROXY = _proxy_defaults()
+
+
 class Proxy(BaseModel):
-    """The embedded OpenAI-compatible proxy in front of the instances."""
+    """The embedded OpenAI-compatible proxy in front of the instances.
+
+    Each field is a knob of `epdctl.proxy.config.ProxyConfig` (same name, less `_s`), which
+    holds its default; the plan maps one into the other by name.
+    """
 
     model_config = _CONFIG
 
-    host: str = "127.0.0.1"
+    host: str = _PROXY["host"]
     """Address to bind (`0.0.0.0` for every interface). Anything but loopback should come
     with an api_key."""
-    port: Port = 8000
+    port: Port = _PROXY["port"]
     """Port clients connect to."""
-    api_key: Annotated[str, Field(min_length=1)] | None = None
+    api_key: Annotated[str, Field(min_length=1)] | None = _PROXY["api_key"]
     """Bearer token required on every route but /health."""
-    metadata_rewrite: Bool = True
+    metadata_rewrite: Bool = _PROXY["metadata_rewrite"]
     """Replace media by E's `*_embeds` metadata so P/PD skip preprocessing (where supported)."""
-    encode_timeout: Seconds = 60.0
+    encode_timeout: Seconds = _PROXY["encode_timeout_s"]
     """Deadline for an encoder's answer to one media item."""
-    prefill_timeout: Seconds = 120.0
+    prefill_timeout: Seconds = _PROXY["prefill_timeout_s"]
     """Deadline for the prefill answer (E|P|D)."""
-    decode_timeout: Seconds = 120.0
+    decode_timeout: Seconds = _PROXY["decode_timeout_s"]
     """Deadline for the first byte from decode (or PD); later chunks use the idle timeout."""
-    stream_idle_timeout: Seconds = 60.0
+    stream_idle_timeout: Seconds = _PROXY["stream_idle_timeout_s"]
     """Longest silence allowed between two chunks of a streamed answer."""
-    max_inflight: Annotated[Int, Field(ge=1)] = 256
+    max_inflight: Annotated[Int, Field(ge=1)] = _PROXY["max_inflight"]
     """Requests served at once; more get 503 with Retry-After."""
 
     @field_validator("host")

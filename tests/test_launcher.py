@@ -11,8 +11,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from epdctl.cli._app import App
-from epdctl.cli.up import _initial_state, make_plan
 from epdctl.errors import InstanceDiedError, StartupError
 from epdctl.launcher import (
     Proc,
@@ -24,9 +22,9 @@ from epdctl.launcher import (
     stop_all,
 )
 from epdctl.plan import LaunchSpec
+from epdctl.run import prepare
 from epdctl.state import StateDir
 from epdctl.supervisor import Supervisor
-from epdctl.topology import load_topology
 from tests.conftest import FAKE_SERVER, free_ports
 from tests.conftest import is_running as running
 
@@ -44,9 +42,8 @@ def started(tmp_path: Path) -> Iterator[list[Proc]]:
 def fake_spec(tmp_path: Path, *args: str, name: str = "pd-0") -> LaunchSpec:
     port = free_ports(1)
     return LaunchSpec(name=name, role="prefill_decode",
-                      argv=(sys.executable, str(FAKE_SERVER), "--port", str(port), *args),
-                      env={}, port=port, log_path=tmp_path / "logs" / f"{name}.log",
-                      health_url=f"http://127.0.0.1:{port}/health")
+                      command=(sys.executable, str(FAKE_SERVER)), args=tuple(args),
+                      port=port, log_path=tmp_path / "logs" / f"{name}.log")
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> None:
@@ -63,7 +60,7 @@ def test_spawn_logs_header_and_becomes_ready(tmp_path: Path, started: list[Proc]
     wait_for(lambda: probe(spec.health_url) == 503)
     wait_for(lambda: probe(spec.health_url) == 200)
     first = spec.log_path.read_text().splitlines()[0]
-    assert re.fullmatch(r"--- epdctl start \S+ .*fake_server\.py --port \d+ --ready-after 0\.5",
+    assert re.fullmatch(r"--- epdctl start \S+ .*fake_server\.py --host 127\.0\.0\.1 --port \d+ --ready-after 0\.5",
                         first)
     env = psutil.Process(proc.pid).environ()
     assert env["EPDCTL_RUN_DIR"] == str(tmp_path) and env["EPDCTL_INSTANCE"] == "pd-0"
@@ -153,10 +150,9 @@ def test_describe_failure_has_the_last_40_lines(tmp_path: Path) -> None:
 
 
 def supervisor_for(tmp_path: Path, topo: Path, **kwargs: object) -> Supervisor:
-    app = App(state_root=tmp_path / "state")
-    topology = load_topology(topo)
-    state = _initial_state(make_plan(app, topology), topology, topo)
-    sdir = StateDir(app.state_dir(topology.name))
+    run = prepare(topo, tmp_path / "state")
+    state = run.initial_state()
+    sdir = StateDir(run.plan.state_dir)
     sdir.write(state)
     return Supervisor(sdir, state, stop_timeout_s=2.0, **kwargs)  # type: ignore[arg-type]
 

@@ -12,8 +12,8 @@ from epdctl.state import Record, RunState, SpecModel, StateDir, find_state_dir, 
 
 
 def make_state(name: str = "demo") -> RunState:
-    spec = SpecModel(name="pd-0", role="prefill_decode", argv=["x"], env={}, port=1,
-                     log_path="/l", health_url="http://127.0.0.1:1/health")
+    spec = SpecModel(name="pd-0", role="prefill_decode", command=["x"], env={}, port=1,
+                     log_path="/l")
     return RunState(name=name, topology_path="/t.yaml", created_at=1.0, mode="pd",
                     namespace="ns", store_dir="/s", model_name="m", specs=[spec])
 

@@ -70,23 +70,23 @@ def progress_line(name: str, state: str, seconds: float | None) -> str:
 
 
 def proxy_url(state: RunState) -> str:
-    return state.proxy.health_url.removesuffix("/health")
+    return state.proxy.url
 
 
 def summary(state: RunState) -> Text:
     """What `up` prints once everything is ready: URLs, GPUs and a request to try."""
     width = max(len(s.name) for s in state.specs)
-    text = Text(f"{state.name} is ready ({state.mode}): {len(state.specs) - 1} instance(s), "
+    text = Text(f"{state.name} is ready ({state.mode}): {len(state.engines)} instance(s), "
                 f"model {state.model_name}\n")
     text.append(f"  {'proxy'.ljust(width)}  {proxy_url(state)}\n")
-    for spec in state.specs[:-1]:
+    for spec in state.engines:
         gpus = ",".join(spec.gpus) or "-"
-        text.append(f"  {spec.name.ljust(width)}  http://127.0.0.1:{spec.port}  GPUs {gpus}\n")
+        text.append(f"  {spec.name.ljust(width)}  {spec.url}  GPUs {gpus}\n")
     body = json.dumps({"model": state.model_name,
                        "messages": [{"role": "user", "content": "Hello!"}]})
     argv = ["curl", f"{proxy_url(state)}/v1/chat/completions",
             "-H", "content-type: application/json", "-d", body]
-    if "EPDCTL_PROXY_API_KEY" in state.proxy.env:
+    if state.proxy_api_key:
         # The key itself stays out of terminals and scrollback: name where it comes from.
         argv[2:2] = ["-H", "authorization: Bearer <proxy.api_key from the topology>"]
     text.append(f"try:\n  {shlex.join(argv)}")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import click
 
 from epdctl.cli._app import App, pass_app
+from epdctl.launcher import STOP_TIMEOUT_S
 
 
 @click.command()
 @click.option("--name", "name", metavar="NAME|FILE",
               help="Topology name or file; default: the only one under the state dir.")
-@click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=float, default=STOP_TIMEOUT_S, show_default=True,
               help="Seconds between SIGTERM and SIGKILL (one deadline for all).")
 @click.option("--force", "should_scan", is_flag=True,
               help="Also find processes by the markers in their environment "
@@ -22,21 +23,17 @@ def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
          should_keep_cache: bool) -> None:
     """Stop a running topology and remove its state"""
     from epdctl.errors import NotRunningError, StateError
-    from epdctl.launcher import stop_run
-    from epdctl.state import find_state_dir
+    from epdctl.run import find, stop
 
-    sdir = find_state_dir(app.state_root, name)
+    sdir = find(app.state_root, name)
     try:
         state = sdir.read()
     except (StateError, NotRunningError):
         if not should_scan:
             raise
         state = None
-    result = stop_run(sdir, state, timeout_s, should_scan=should_scan)
-    if state is not None:
-        sdir.finish(state, keep_cache=should_keep_cache)
-    else:
-        sdir.retire()
+    result = stop(sdir, state, timeout_s, should_scan=should_scan,
+                  should_keep_cache=should_keep_cache)
     topo = sdir.path.name
     if state is None and not (result.stopped or result.killed or result.stale):
         raise NotRunningError(f"nothing of `{topo}` is running")

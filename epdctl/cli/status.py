@@ -33,12 +33,12 @@ def _rss(pid: int) -> int | None:
 
 
 def _instance(spec: SpecModel, record: Record | None, now: float) -> dict[str, Any]:
-    from epdctl.launcher import probe
+    from epdctl.readiness import is_ready, judge
     from epdctl.state import process_matches
 
     row: dict[str, Any] = {
         "name": spec.name, "role": spec.role, "gpus": spec.gpus, "port": spec.port,
-        "url": spec.health_url.removesuffix("/health"), "pid": None, "state": "starting",
+        "url": spec.url, "pid": None, "state": "starting",
         "uptime_s": None, "rss_bytes": None, "restarts": 0, "exit_code": None,
         "log": spec.log_path,
     }
@@ -46,14 +46,9 @@ def _instance(spec: SpecModel, record: Record | None, now: float) -> dict[str, A
         return row
     row.update(pid=record.pid, restarts=record.restarts, exit_code=record.exit_code)
     match = process_matches(record.pid, record.create_time)
-    if match is None:
-        row["state"] = "stale"
-    elif not match:
-        row["state"] = "exited"
-    else:
-        is_ok = probe(spec.health_url) == 200
-        row["state"] = "ready" if is_ok else ("starting" if record.ready_at is None
-                                              else "unhealthy")
+    row["state"] = judge(match, bool(match) and is_ready(spec.health_url),
+                         record.ready_at is not None)
+    if match:
         row["uptime_s"] = round(now - record.started_at, 1)
         row["rss_bytes"] = _rss(record.pid)
     return row

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -11,54 +10,47 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from epdctl.cli._app import App, pass_app
+from epdctl.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from epdctl.launcher import Proc
-    from epdctl.plan import LaunchSpec
-    from epdctl.state import StateDir
+    from epdctl.spec import LaunchSpec
+    from epdctl.state import RunState, StateDir
     from epdctl.topology import Topology
 
 
-def _specs(app: App, topology: Topology, sdir: StateDir) -> list[LaunchSpec]:
+def _specs(app: App, topology_path: Path, topology: Topology, sdir: StateDir
+           ) -> list[LaunchSpec]:
     """The running (else the planned) instances: the baseline mirrors the PD/prefill one."""
-    from epdctl.cli.up import make_plan
+    from epdctl.run import prepare
 
     if sdir.is_running():
         return [s.spec() for s in sdir.read().specs]
-    return list(make_plan(app, topology).specs)
+    return list(prepare(topology_path, app.state_root, topology=topology).plan.specs)
 
 
-def _up(app: App, topology_path: Path, timeout_s: float) -> None:
-    """`epdctl up -d`, its summary on stderr: stdout is for the report."""
-    from epdctl.cli.up import up
+def _up(app: App, topology_path: Path, topology: Topology, timeout_s: float) -> RunState:
+    """Start the topology detached; progress and summary on stderr (stdout is the report's)."""
+    from epdctl.cli._render import Progress, summary
+    from epdctl.run import prepare, start_detached
 
-    ctx = click.get_current_context()
-    quiet = dataclasses.replace(app)
-    quiet.out = app.err
-    sub = click.Context(ctx.command, parent=ctx, obj=quiet)
-    sub.invoke(up, topology_path=topology_path, is_detached=True, timeout_s=timeout_s)
-
-
-def _check_running(sdir: StateDir) -> None:
-    from epdctl.errors import NotRunningError
-    from epdctl.launcher import probe
-
-    state = sdir.read()
-    late = [s.name for s in state.specs if probe(s.health_url) != 200]
-    if state.phase != "running" or late:
-        why = ", ".join(late) or state.phase
-        raise NotRunningError(f"`{state.name}` is running but not ready ({why}); "
-                              f"see `epdctl status --name {state.name}`")
+    run = prepare(topology_path, app.state_root, topology=topology)
+    progress = Progress(app)
+    try:
+        state = start_detached(run, timeout_s, on_change=progress.update)
+    finally:
+        progress.close()
+    app.err.print(summary(state))
+    return state
 
 
 def _stop_topology(app: App, sdir: StateDir) -> None:
-    from epdctl.launcher import stop_run
+    from epdctl.run import stop
 
     state = sdir.read()
     app.err.print(f"Stopping {state.name} (verify started it; --keep leaves it running)",
                   markup=False)
-    stop_run(sdir, state)
-    sdir.finish(state)
+    stop(sdir, state)
 
 
 @click.command()
@@ -71,7 +63,8 @@ def _stop_topology(app: App, sdir: StateDir) -> None:
               help="device: cuda: free GPUs (e.g. 6,7) to start the baseline on.")
 @click.option("--keep", "should_keep", is_flag=True,
               help="Leave the topology running when verify started it.")
-@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=float, default=STARTUP_TIMEOUT_S,
+              show_default=True,
               help="Seconds the topology and the baseline get to become ready.")
 @pass_app
 def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | None,
@@ -82,6 +75,7 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     from epdctl.cli._verify_render import mismatches, verify_table
     from epdctl.errors import VerifyError
     from epdctl.launcher import stop_all
+    from epdctl.run import require_ready
     from epdctl.state import StateDir
     from epdctl.topology import load_topology
     from epdctl.verify import Target, report, run_prompts
@@ -96,23 +90,23 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     is_started = False
     is_running = sdir.is_running()
     if is_running:
-        _check_running(sdir)
+        require_ready(sdir)
     try:
         if baseline_url is None:
-            baseline = base.start(_specs(app, topology, sdir), sdir.path, gpus)
+            baseline = base.start(_specs(app, topology_path, topology, sdir), sdir.path, gpus)
             app.err.print(f"Starting the baseline on port {baseline[0].port} "
                           f"(log {baseline[0].log_path})", markup=False)
         if is_running:
             app.err.print(f"{topology.name} is running already: verifying it", markup=False)
         else:
-            _up(app, topology_path, timeout_s)
+            _up(app, topology_path, topology, timeout_s)
             is_started = True
         state = sdir.read()
         if baseline is not None:
             base.wait_ready(*baseline, deadline, timeout_s)
             baseline_url = baseline[0].url
         assert baseline_url is not None
-        key = state.proxy.env.get("EPDCTL_PROXY_API_KEY")
+        key = state.proxy_api_key
         mine = Target(proxy_url(state), state.model_name,
                       {"authorization": f"Bearer {key}"} if key else {})
         theirs = Target(baseline_url, model or base.first_model(baseline_url))

@@ -1,41 +1,90 @@
-"""The proxy's settings as one frozen value, built by __main__ or by tests."""
+"""ProxyConfig: the one list of the proxy's knobs. Its argv, and the argparse that reads that
+argv back, are derived from the fields below; each default is written here once.
+
+Adding a knob: a field here (with `knob(...)`), and, when topologies may set it, a field of
+the same name (without `_s`) in `topology.Proxy`. Nothing else: the plan maps one into the
+other by name, `to_argv()` writes it and `parse_argv()` reads it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# The API key travels in the environment, never on a command line (`ps` shows those).
+API_KEY_ENV = "EPDCTL_PROXY_API_KEY"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-@dataclass(frozen=True)
+def knob(default: Any, flag: str | None, help: str, *, metavar: str | None = None,
+         choices: Sequence[str] | None = None, is_shown: bool = False) -> Any:
+    """A ProxyConfig field with its command-line flag; is_shown: always written to argv (so
+    the proxy's first log line states it), not only when it differs from the default."""
+    meta = {"flag": flag, "help": help, "metavar": metavar, "choices": choices,
+            "is_shown": is_shown}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProxyConfig:
-    """Where the instances are and how long each stage may take."""
+    """Where the proxy listens, where the instances are, and how long each stage may take."""
 
-    models: tuple[str, ...]
-    """Model names served; a request naming another model gets a 404."""
-    encode: tuple[str, ...] = ()
-    pd: tuple[str, ...] = ()
-    prefill: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()
-    encode_timeout_s: float = 60.0
-    prefill_timeout_s: float = 120.0
-    decode_timeout_s: float = 120.0
-    """Deadline for decode's (or PD's) first content chunk; later ones use the idle timeout."""
-    stream_idle_timeout_s: float = 60.0
-    connect_timeout_s: float = 5.0
-    max_inflight: int = 256
-    retry_after_s: int = 1
-    metadata_rewrite: bool = True
-    api_key: str | None = None
-    max_body_bytes: int = 64 * 1024 * 1024
-    media_fetch_timeout_s: float = 10.0
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 1.0
-    eject_after: int = 3
-    """Consecutive failed probes that take an instance out of rotation."""
-    ec_protocol: Literal["shared", "mooncake"] = "shared"
-    """How E hands encodings to PD: a shared store keyed by content, or Mooncake pushes."""
-    ec_consumers: tuple[tuple[str, str], ...] = ()
-    """Mooncake: (PD URL, its control socket `tcp://host:port`) for every PD instance."""
+    host: str = knob("127.0.0.1", "--host",
+                     "address to bind; anything but loopback should come with an API key",
+                     is_shown=True)
+    port: int = knob(8000, "--port", "port to bind", is_shown=True)
+    models: tuple[str, ...] = knob((), "--model",
+                                   "model name the instances serve (repeat for several); "
+                                   "a request naming another model gets a 404")
+    encode: tuple[str, ...] = knob((), "--encode", "base URL of an encoder (ec_producer) "
+                                   "instance; repeat for replicas", metavar="URL")
+    pd: tuple[str, ...] = knob((), "--pd", "base URL of a prefill+decode instance; repeat for "
+                               "replicas", metavar="URL")
+    prefill: tuple[str, ...] = knob((), "--prefill", "base URL of a prefill (kv_producer) "
+                                    "instance; repeat for replicas", metavar="URL")
+    decode: tuple[str, ...] = knob((), "--decode", "base URL of a decode (kv_consumer) "
+                                   "instance; repeat for replicas", metavar="URL")
+    encode_timeout_s: float = knob(60.0, "--encode-timeout", "seconds an encoder gets per item "
+                                   "before PD encodes it itself", is_shown=True)
+    prefill_timeout_s: float = knob(120.0, "--prefill-timeout",
+                                    "seconds the prefill stage gets (E|P|D)", is_shown=True)
+    decode_timeout_s: float = knob(120.0, "--decode-timeout", "seconds until the first byte "
+                                   "from decode or PD; later chunks use the idle timeout",
+                                   is_shown=True)
+    stream_idle_timeout_s: float = knob(60.0, "--stream-idle-timeout", "seconds allowed "
+                                        "between two chunks of a stream", is_shown=True)
+    max_inflight: int = knob(256, "--max-inflight", "requests served at once; more get 503 "
+                             "with Retry-After", is_shown=True)
+    metadata_rewrite: bool = knob(True, "--metadata-rewrite", "send PD E's *_embeds metadata "
+                                  "instead of the media where the model supports it")
+    connect_timeout_s: float = knob(5.0, "--connect-timeout",
+                                    "seconds to connect to an instance")
+    retry_after_s: int = knob(1, "--retry-after", "Retry-After seconds on a 503")
+    api_key: str | None = knob(None, None, f"bearer token every route but /health requires "
+                               f"(${API_KEY_ENV}; never on the command line)")
+    max_body_bytes: int = knob(64 * 1024 * 1024, "--max-body-bytes",
+                               "larger request bodies get 413")
+    media_fetch_timeout_s: float = knob(10.0, "--media-fetch-timeout", "seconds to fetch an "
+                                        "http(s) media URL (hashed for the cache key)")
+    health_interval_s: float = knob(2.0, "--health-interval",
+                                    "seconds between health probes of every instance")
+    health_timeout_s: float = knob(1.0, "--health-timeout", "seconds one health probe may take")
+    eject_after: int = knob(3, "--eject-after", "failed probes in a row before an instance "
+                            "gets no requests")
+    ec_protocol: Literal["shared", "mooncake"] = knob(
+        "shared", "--ec-protocol", "how E hands encodings to PD: a shared store keyed by "
+        "content, or mooncake: pick PD first and have E push into it (vLLM's "
+        "ECMooncakeConnector, E|PD only)", choices=("shared", "mooncake"))
+    ec_consumers: tuple[tuple[str, str], ...] = knob(
+        (), "--ec-consumer", "a --pd URL and its Mooncake control socket, e.g. "
+        "http://pd-0:8000=tcp://pd-0:14579; one per --pd", metavar="URL=ZMQ")
+    client: Literal["aiohttp", "httpx"] = knob(
+        "aiohttp", "--client", "upstream HTTP client (see benchmarks/proxy.py)",
+        choices=("aiohttp", "httpx"))
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -85,3 +134,84 @@ class ProxyConfig:
     def mode(self) -> str:
         core = "P|D" if self.is_split else "PD"
         return f"E|{core}" if self.encode else core
+
+    def to_argv(self, *, exclude: Sequence[str] = ()) -> list[str]:
+        """The flags that make `parse_argv` return this config (the API key stays out)."""
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            flag = f.metadata["flag"]
+            value = getattr(self, f.name)
+            if flag is None or f.name in exclude:
+                continue
+            if value == f.default and not f.metadata["is_shown"]:
+                continue
+            if isinstance(value, bool):
+                argv.append(flag if value else f"--no-{flag[2:]}")
+            elif isinstance(value, tuple):
+                for item in value:
+                    argv += [flag, "=".join(item) if isinstance(item, tuple) else item]
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+    def env(self) -> dict[str, str]:
+        """What the proxy process needs in its environment (the API key)."""
+        return {API_KEY_ENV: self.api_key} if self.api_key else {}
+
+
+def defaults() -> dict[str, Any]:
+    """Every knob's default, by field name (topology.Proxy takes its defaults from here)."""
+    return {f.name: f.default for f in dataclasses.fields(ProxyConfig)}
+
+
+def _parser(prog: str, description: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="E|PD: --encode URL... --pd URL...   E|P|D: --encode URL... --prefill URL... "
+               "--decode URL...   Aggregated: --pd URL...   The API key comes from "
+               f"${API_KEY_ENV}.",
+    )
+    for f in dataclasses.fields(ProxyConfig):
+        flag, meta = f.metadata["flag"], f.metadata
+        if flag is None:
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+        if meta["metavar"]:
+            kwargs["metavar"] = meta["metavar"]
+        if meta["choices"]:
+            kwargs["choices"] = meta["choices"]
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           **kwargs)
+        elif isinstance(f.default, tuple):
+            p.add_argument(flag, action="append", default=None,
+                           required=f.name == "models", **kwargs)
+        else:
+            p.add_argument(flag, type=type(f.default), default=f.default, **kwargs)
+    # Kept for people who pass it by hand; $EPDCTL_PROXY_API_KEY keeps it off `ps`.
+    p.add_argument("--api-key", dest="api_key", default=argparse.SUPPRESS,
+                   help=f"bearer token every route but /health requires; better given as "
+                        f"${API_KEY_ENV}, which keeps it off the command line")
+    return p
+
+
+def parse_argv(argv: Sequence[str] | None = None, *, prog: str = "python -m epdctl.proxy",
+               description: str | None = None) -> ProxyConfig:
+    """The config that argv (as `to_argv` writes it) and the environment describe."""
+    p = _parser(prog, description)
+    values = vars(p.parse_args(argv))
+    pairs = []
+    for pair in values.get("ec_consumers") or ():
+        url, sep, address = pair.rpartition("=")  # a control address has no `=`
+        if not (sep and url and address):
+            p.error(f"--ec-consumer {pair}: expected URL=tcp://host:port")
+        pairs.append((url, address))
+    values["ec_consumers"] = pairs
+    kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                              for k, v in values.items() if v is not None}
+    kwargs["api_key"] = values.get("api_key") or os.environ.get(API_KEY_ENV) or None
+    try:
+        return ProxyConfig(**kwargs)
+    except ValueError as exc:
+        p.error(str(exc))
+    raise AssertionError("unreachable")  # p.error exits

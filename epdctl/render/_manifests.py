@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from epdctl.plan import LaunchSpec
+from epdctl.proxy.config import API_KEY_ENV
 from epdctl.topology import Topology
 
 HTTP_PORT = 8000
@@ -199,30 +199,17 @@ def api_key_secret(topology: Topology) -> Obj:
     }
 
 
-def _proxy_argv(spec: LaunchSpec, urls: Mapping[str, str], extra: Sequence[str]) -> list[str]:
-    argv = ["python3", *spec.argv[1:], *extra]
-    for i, arg in enumerate(argv[:-1]):
-        if arg == "--host":
-            argv[i + 1] = "0.0.0.0"
-        elif arg == "--port":
-            argv[i + 1] = str(HTTP_PORT)
-    return [urls.get(arg, arg) for arg in argv]
-
-
-def proxy_objects(
-    topology: Topology, spec: LaunchSpec, urls: Mapping[str, str], image: str,
-    extra_args: Sequence[str] = (),
-) -> list[Obj]:
+def proxy_objects(topology: Topology, argv: Sequence[str], image: str) -> list[Obj]:
     """The proxy's Deployment and its ClusterIP Service on proxy.port."""
     name = f"{topology.name}-proxy"
     env = []
     if topology.proxy.api_key:
         ref = {"name": f"{topology.name}-proxy-api-key", "key": "api-key"}
-        env.append({"name": "EPDCTL_PROXY_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
     container: Obj = {
         "name": "proxy",
         "image": image,
-        "command": [a.replace("$(", "$$(") for a in _proxy_argv(spec, urls, extra_args)],
+        "command": [a.replace("$(", "$$(") for a in argv],
         "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from epdctl import cache
 from epdctl.errors import RenderError
-from epdctl.plan import LaunchSpec, plan
+from epdctl.plan import LaunchSpec, plan, proxy_config
 from epdctl.render import _manifests as m
 from epdctl.render._notes import notes as _notes
+from epdctl.spec import transfer_args
 from epdctl.topology import ROLE_NAMES, ROLE_PREFIX, RoleName, Topology
 
 DEFAULT_IMAGE = "vllm/vllm-openai:latest"
 DEFAULT_EC_CONNECTOR = "ECMooncakeConnector"
 MOONCAKE_PORT = 14579
-# Flags the local plan binds to this machine; the cluster gets its own values.
-_LOCAL_FLAGS = ("--host", "--port", "--ec-transfer-config", "--kv-transfer-config")
 # Env the local plan uses to share one machine; pods get whole GPUs and their own ports.
 _LOCAL_ENV = (
     "CUDA_VISIBLE_DEVICES",
@@ -48,30 +46,13 @@ class Rendering:
     notes: tuple[str, ...] = field(default=())
 
 
-def _pop_flags(argv: Sequence[str], flags: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """argv without `--flag V` / `--flag=V` for each flag, and the values removed."""
-    rest: list[str] = []
-    found: dict[str, str] = {}
-    skip = False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-        elif arg in flags and i + 1 < len(argv):
-            found[arg], skip = argv[i + 1], True
-        elif arg.split("=", 1)[0] in flags and "=" in arg:
-            key, value = arg.split("=", 1)
-            found[key] = value
-        else:
-            rest.append(arg)
-    return rest, found
-
-
 def escape(value: str) -> str:
     """Keep kubelet from expanding `$(VAR)` in a user's argument: the plan passes it literally."""
     return value.replace("$(", "$$(")
 
 
-def _ec_config(local: dict[str, Any], connector: str, topology: Topology) -> tuple[dict, list]:
+def _ec_config(local: Mapping[str, Any], connector: str, topology: Topology
+               ) -> tuple[dict, list]:
     """The cluster EC config for one instance, and the env it needs."""
     config: dict[str, Any] = {
         "ec_connector": connector,
@@ -92,7 +73,7 @@ def _ec_config(local: dict[str, Any], connector: str, topology: Topology) -> tup
     return config, env
 
 
-def _kv_config(local: dict[str, Any]) -> tuple[dict, list]:
+def _kv_config(local: Mapping[str, Any]) -> tuple[dict, list]:
     """The cluster KV config: file-based ExampleConnector cannot cross pods, NIXL can."""
     config = dict(local)
     if config["kv_connector"] == "ExampleConnector":
@@ -110,25 +91,24 @@ def _engine_role(
 ) -> m.EngineRole:
     """One role's pods, from its first replica's local launch spec."""
     role = topology.roles[role_name]
-    argv, found = _pop_flags(spec.argv, _LOCAL_FLAGS)
-    at = spec.argv.index("--host")
-    argv = [escape(a) for a in argv]
-    argv[at:at] = ["--host", "0.0.0.0", "--port", str(m.HTTP_PORT)]
+    # The pod binds every interface on the cluster's port; the transfer configs are the
+    # cluster's (their `$(POD_IP)` references are meant for kubelet, so not escaped).
+    pod = replace(spec, host="0.0.0.0", port=m.HTTP_PORT, ec_config=None, kv_config=None)
+    argv = [escape(a) for a in pod.argv]
     env = [m.env_value(k, escape(v)) for k, v in spec.env.items() if k not in _LOCAL_ENV]
     ports = []
-    if "--ec-transfer-config" in found:
-        ec, ec_env = _ec_config(json.loads(found["--ec-transfer-config"]), options.ec_connector,
-                                topology)
-        argv += ["--ec-transfer-config", json.dumps(ec, separators=(",", ":"))]
+    ec = kv = None
+    if spec.ec_config is not None:
+        ec, ec_env = _ec_config(spec.ec_config, options.ec_connector, topology)
         env += ec_env
         if options.ec_connector == "ECMooncakeConnector":
             ports.append(("ec-control", MOONCAKE_PORT))
-    if "--kv-transfer-config" in found:
-        kv, kv_env = _kv_config(json.loads(found["--kv-transfer-config"]))
-        argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    if spec.kv_config is not None:
+        kv, kv_env = _kv_config(spec.kv_config)
         env += kv_env
         if kv_env:
             ports.append(("nixl", m.NIXL_PORT))
+    argv += transfer_args(ec, kv)
     per_node = options.gpus_per_node or role.tensor_parallel
     nodes = max(1, role.tensor_parallel // per_node)
     return m.EngineRole(
@@ -197,24 +177,35 @@ def render_k8s(topology: Topology, source_text: str, options: K8sOptions) -> Ren
         objects.append(m.api_key_secret(topology))
     for role in roles:
         objects += m.engine_objects(topology, role, options.image)
-    objects += m.proxy_objects(topology, local.proxy, urls, options.image,
-                               _mooncake_args(topology, roles, options))
+    objects += m.proxy_objects(topology, _proxy_argv(topology, local.instances, roles, urls,
+                                                     options), options.image)
     if options.namespace:
         for obj in objects:
             obj["metadata"]["namespace"] = options.namespace
     return Rendering(objects=tuple(objects), notes=tuple(_notes(topology, roles, options, local)))
 
 
-def _mooncake_args(topology: Topology, roles: list[m.EngineRole], options: K8sOptions) -> list[str]:
-    """Proxy flags for Mooncake: every PD pod's URL paired with its control socket."""
+def _proxy_argv(topology: Topology, instances: Sequence[LaunchSpec], roles: list[m.EngineRole],
+                urls: Mapping[str, str], options: K8sOptions) -> list[str]:
+    """The proxy's command in its pod: the local config with pod URLs, on every interface."""
+    local = proxy_config(topology, instances)
+    moved: dict[str, Any] = {role: tuple(urls[u] for u in getattr(local, role))
+             for role in ("encode", "pd", "prefill", "decode")}
+    config = replace(local, host="0.0.0.0", port=m.HTTP_PORT, **moved,
+                     **_mooncake(topology, roles, options))
+    return ["python3", "-m", "epdctl.proxy", *config.to_argv()]
+
+
+def _mooncake(topology: Topology, roles: list[m.EngineRole], options: K8sOptions
+              ) -> dict[str, Any]:
+    """Proxy knobs for Mooncake: every PD pod's URL paired with its control socket."""
     pd = next((r for r in roles if r.role == "prefill_decode"), None)
     if options.ec_connector != "ECMooncakeConnector" or "encode" not in topology.roles or not pd:
-        return []
-    args = ["--ec-protocol", "mooncake"]
-    for i in range(pd.replicas):
-        # E connects by DNS name; the PD pod binds ec_ip = its pod IP, which that name resolves to.
-        args += ["--ec-consumer", f"{pd.pod_url(i)}=tcp://{pd.pod_host(i)}:{MOONCAKE_PORT}"]
-    return args
+        return {}
+    # E connects by DNS name; the PD pod binds ec_ip = its pod IP, which that name resolves to.
+    consumers = tuple((pd.pod_url(i), f"tcp://{pd.pod_host(i)}:{MOONCAKE_PORT}")
+                      for i in range(pd.replicas))
+    return {"ec_protocol": "mooncake", "ec_consumers": consumers}
 
 
 def _redacted(topology: Topology, source_text: str) -> str:

@@ -5,10 +5,10 @@ from epdctl.state import RunState, SpecModel
 
 
 def _state(proxy_env: dict[str, str]) -> RunState:
-    pd = SpecModel(name="pd-0", role="prefill_decode", argv=["x"], env={}, port=8101,
-                   log_path="/l", health_url="http://127.0.0.1:8101/health")
-    proxy = SpecModel(name="proxy", role="proxy", argv=["p"], env=proxy_env, port=8000,
-                      log_path="/p", health_url="http://127.0.0.1:8000/health")
+    pd = SpecModel(name="pd-0", role="prefill_decode", command=["x"], env={}, port=8101,
+                   log_path="/l")
+    proxy = SpecModel(name="proxy", role="proxy", command=["p"], env=proxy_env, port=8000,
+                      log_path="/p")
     return RunState(name="demo", topology_path="/t.yaml", created_at=1.0, mode="pd",
                     namespace="ns", store_dir="/s", model_name="m", specs=[pd, proxy])
 

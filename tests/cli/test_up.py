@@ -4,9 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from epdctl.cli._app import App
-from epdctl.cli.up import make_plan
-from epdctl.topology import load_topology
+from epdctl.run import prepare
 from tests.conftest import FAKE_PROXY, is_running, run_pids
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,7 +16,7 @@ def test_dry_run_prints_every_command_and_starts_nothing(epdctl, fake_topology, 
     result = epdctl("up", str(topo), "--dry-run")
     assert result.exit_code == 0, result.stderr
     monkeypatch.setenv("EPDCTL_PROXY_COMMAND", FAKE_PROXY)
-    plan = make_plan(App(state_root=state_root), load_topology(topo))
+    plan = prepare(topo, state_root).plan
     expected = "".join(f"# {s.name} ({s.role})\n{s.shell()}\n" for s in plan.specs)
     assert result.stdout == expected
     assert result.stdout.splitlines()[0] == "# encode-0 (encode)"

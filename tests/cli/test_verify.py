@@ -97,14 +97,14 @@ def test_cache_use_gives_up_at_the_deadline(tmp_path: Path) -> None:
 def test_baseline_spec_drops_transfer_configs_and_side_channel() -> None:
     spec = LaunchSpec(
         name="prefill-0", role="prefill",
-        argv=("vllm", "serve", "m", "--port", "8101", "--ec-transfer-config", "{}",
-              "--kv-transfer-config={}", "--dtype", "float32"),
-        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600", "CUDA_VISIBLE_DEVICES": "1", "X": "y"},
-        port=8101, log_path=Path("/x.log"), health_url="http://127.0.0.1:8101/health",
-        gpus=("1",), side_channel_port=5600,
+        command=("vllm", "serve", "m"), args=("--dtype", "float32"), ec_config={},
+        kv_config={}, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600", "CUDA_VISIBLE_DEVICES": "1",
+                           "X": "y"},
+        port=8101, log_path=Path("/x.log"), gpus=("1",), side_channel_port=5600,
     )
     twin = baseline_spec(spec, 9000, Path("/b.log"), ["3"])
-    assert twin.argv == ("vllm", "serve", "m", "--port", "9000", "--dtype", "float32")
+    assert twin.argv == ("vllm", "serve", "m", "--host", "127.0.0.1", "--port", "9000",
+                         "--dtype", "float32")
     assert twin.env == {"CUDA_VISIBLE_DEVICES": "3", "X": "y"}
     assert (twin.name, twin.port, twin.gpus, twin.side_channel_port) == (
         "verify-baseline", 9000, ("3",), None)
@@ -267,11 +267,11 @@ def test_cuda_needs_a_baseline(epdctl, tmp_path, state_root) -> None:
 
 def test_a_running_topology_that_is_not_ready_is_refused(epdctl, fake_topology, state_root,
                                                          monkeypatch) -> None:
-    from epdctl import launcher
+    from epdctl import readiness
 
     topo = fake_topology()
     assert epdctl("up", str(topo), "-d", "--timeout", "20").exit_code == 0
-    monkeypatch.setattr(launcher, "probe", lambda url, timeout_s=1.0: 503)
+    monkeypatch.setattr(readiness, "probe", lambda url, timeout_s=1.0: 503)
     result = epdctl("verify", str(topo))
     assert result.exit_code == 1
     assert result.stderr == ("Error: `fake` is running but not ready (encode-0, pd-0, proxy); "

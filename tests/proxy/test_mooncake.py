@@ -284,12 +284,12 @@ def test_config_is_checked(change, message):
 
 
 def test_cli_pairs_each_pd_url_with_its_control_socket(capsys):
-    config, *_ = parse_args([
+    config = parse_args([
         "--model", MODEL, "--encode", "http://e0", "--pd", "http://pd-0.pd:8000",
         "--ec-protocol", "mooncake", "--ec-consumer", "http://pd-0.pd:8000=tcp://pd-0.pd:14579"])
     assert config.ec_protocol == "mooncake"
     assert config.consumer_zmq("http://pd-0.pd:8000") == "tcp://pd-0.pd:14579"
-    assert parse_args(["--model", MODEL, "--pd", "http://p"])[0].ec_protocol == "shared"
+    assert parse_args(["--model", MODEL, "--pd", "http://p"]).ec_protocol == "shared"
     with pytest.raises(SystemExit):
         parse_args(["--model", MODEL, "--pd", "http://p", "--ec-protocol", "mooncake",
                     "--ec-consumer", "tcp://p:1"])

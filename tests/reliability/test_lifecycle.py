@@ -157,11 +157,9 @@ def test_foreground_up_killed_while_serving(env, fake_topology, state_root) -> N
 def test_a_taken_port_is_refused_before_anything_starts(env, fake_topology, state_root,
                                                         holder) -> None:
     topo = fake_topology()
-    from epdctl.cli._app import App
-    from epdctl.cli.up import make_plan
-    from epdctl.topology import load_topology
+    from epdctl.run import prepare
 
-    plan = make_plan(App(state_root=state_root), load_topology(topo))
+    plan = prepare(topo, state_root).plan
     port = {s.name: s.port for s in plan.specs}[holder]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))

@@ -42,8 +42,8 @@ class Run:
     def __init__(self, env: dict[str, str], run_dir: Path) -> None:
         self.env, self.run_dir = env, run_dir
         self.state = json.loads((run_dir / "state.json").read_text())
-        proxy = self.state["specs"][-1]
-        self.url = proxy["health_url"].removesuffix("/health")
+        proxy = next(s for s in self.state["specs"] if s["role"] == "proxy")
+        self.url = f"http://127.0.0.1:{proxy['port']}"
         self.urls = {s["name"]: f"http://127.0.0.1:{s['port']}" for s in self.state["specs"]}
 
     def pid(self, name: str) -> int:

