@@ -60,8 +60,8 @@ def test_spawn_logs_header_and_becomes_ready(tmp_path: Path, started: list[Proc]
     wait_for(lambda: probe(spec.health_url) == 503)
     wait_for(lambda: probe(spec.health_url) == 200)
     first = spec.log_path.read_text().splitlines()[0]
-    assert re.fullmatch(r"--- epdctl start \S+ .*fake_server\.py --host 127\.0\.0\.1 --port \d+ --ready-after 0\.5",
-                        first)
+    assert re.fullmatch(r"--- epdctl start \S+ .*fake_server\.py --host 127\.0\.0\.1 "
+                        r"--port \d+ --ready-after 0\.5", first)
     env = psutil.Process(proc.pid).environ()
     assert env["EPDCTL_RUN_DIR"] == str(tmp_path) and env["EPDCTL_INSTANCE"] == "pd-0"
 

@@ -65,6 +65,26 @@ class StageFailed(Exception):
                                                              self.status))
 
 
+ATTEMPTS = 2
+"""A request gets one more attempt, elsewhere, when the first fails before any byte."""
+
+
+def next_attempt(failed: StageFailed, attempt: int, is_rewritten: bool, trace: Trace,
+                 metrics: Metrics) -> None:
+    """The one attempt policy, for both EC protocols: raise `failed` unless another attempt
+    is due. A rewritten body gets one with the raw media on any failure but a timeout (PD
+    may lack a rewritten item's entry); any other body, on a retryable failure."""
+    if attempt + 1 < ATTEMPTS and is_rewritten and (failed.error is None
+                                                   or failed.is_retryable):
+        trace.fallbacks.append("rewrite")
+        metrics.fallbacks.labels("rewrite").inc()
+    elif attempt + 1 < ATTEMPTS and failed.is_retryable:
+        trace.retries += 1
+        metrics.retries.labels(failed.stage).inc()
+    else:
+        raise failed
+
+
 class Generator:
     """Runs PD (or P then D) for one prepared body."""
 
@@ -84,22 +104,13 @@ class Generator:
         """Try `first`; on a retryable failure (any, if rewritten) send `second` elsewhere."""
         avoid: dict[str, Instance] = {}
         body = first
-        for attempt in range(2):
+        for attempt in range(ATTEMPTS):
             try:
                 return await self._attempt(route, body, is_stream, trace, avoid)
             except StageFailed as failed:
                 avoid[failed.stage] = failed.inst
-                if attempt == 0 and is_rewritten and (failed.error is None
-                                                      or failed.is_retryable):
-                    # PD may lack a rewritten item's entry: resend with the raw media.
-                    trace.fallbacks.append("rewrite")
-                    self.metrics.fallbacks.labels("rewrite").inc()
-                elif attempt == 0 and not is_rewritten and failed.is_retryable:
-                    trace.retries += 1
-                    self.metrics.retries.labels(failed.stage).inc()
-                else:
-                    raise
-                body = second
+                next_attempt(failed, attempt, is_rewritten, trace, self.metrics)
+                body, is_rewritten = second, False
         raise AssertionError("unreachable")
 
     async def _attempt(self, route: str, body: dict[str, Any] | bytes, is_stream: bool,

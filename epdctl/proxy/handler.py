@@ -21,10 +21,8 @@ from epdctl.proxy.routing import (
     CHAT,
     find_media,
     parse_body,
+    pd_body,
     request_id,
-    rewrite_media,
-    with_ec_params,
-    with_keys,
 )
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Upstreams
@@ -176,11 +174,12 @@ class Proxy:
             if self.mooncake is not None:
                 return await self.mooncake.run(route, body, items, is_stream, trace)
             encoded = await self.encoder.run(body, items, trace)
-            first = second = with_ec_params(with_keys(body, items), encoded.params)
-            if self.config.metadata_rewrite:
-                rewritten = rewrite_media(body, items, encoded.reported)
-                if rewritten is not None:
-                    first, is_rewritten = with_ec_params(rewritten, encoded.params), True
+            first, is_rewritten = pd_body(body, items, encoded.reported, encoded.params,
+                                          self.config.metadata_rewrite)
+            if is_rewritten:  # the fallback: the media themselves
+                second = pd_body(body, items, encoded.reported, encoded.params, False)[0]
+            else:
+                second = first
         return await self.generator.run(route, first, second, is_rewritten, is_stream, trace)
 
     def _finish(self, trace: Trace, status: int | str) -> None:

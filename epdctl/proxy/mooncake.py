@@ -7,9 +7,9 @@ from typing import Any
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoded, Encoder
 from epdctl.proxy.errors import ProxyError, bad_request
-from epdctl.proxy.generate import Answer, Generator, StageFailed
+from epdctl.proxy.generate import ATTEMPTS, Answer, Generator, StageFailed, next_attempt
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import MediaItem, rewrite_media, with_ec_params, with_keys
+from epdctl.proxy.routing import MediaItem, pd_body
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Instance
 
@@ -33,11 +33,7 @@ def consumer_body(body: dict[str, Any], items: list[MediaItem], encoded: Encoded
                   should_rewrite: bool) -> tuple[dict[str, Any], bool]:
     """PD's body (embeds metadata if possible, else keyed media) and whether it was rewritten."""
     params = {**encoded.params, "ec_items": consumer_items(items, encoded)}
-    if should_rewrite:
-        rewritten = rewrite_media(body, items, encoded.reported)
-        if rewritten is not None:
-            return with_ec_params(rewritten, params), True
-    return with_ec_params(with_keys(body, items), params), False
+    return pd_body(body, items, encoded.reported, params, should_rewrite)
 
 
 class MooncakeRoute:
@@ -67,24 +63,16 @@ class MooncakeRoute:
                 "messages")
         should_rewrite = self.config.metadata_rewrite
         avoid: Instance | None = None
-        for attempt in range(2):
+        for attempt in range(ATTEMPTS):
             inst = self.generator.decode_pool.pick(avoid)
             encoded = await self._encode_for(inst, body, items, trace)
-            pd_body, is_rewritten = consumer_body(body, items, encoded, should_rewrite)
+            first, is_rewritten = consumer_body(body, items, encoded, should_rewrite)
             try:
-                return await self.generator.answer_from(inst, route, pd_body, is_stream, trace)
+                return await self.generator.answer_from(inst, route, first, is_stream, trace)
             except StageFailed as failed:
-                if attempt == 0 and is_rewritten and (failed.error is None
-                                                      or failed.is_retryable):
-                    # PD may have refused the embeds parts: resend the media, pushed again.
-                    should_rewrite = False
-                    trace.fallbacks.append("rewrite")
-                    self.metrics.fallbacks.labels("rewrite").inc()
-                elif attempt == 0 and failed.is_retryable:
-                    trace.retries += 1
-                    self.metrics.retries.labels(failed.stage).inc()
-                else:
-                    raise
+                next_attempt(failed, attempt, is_rewritten, trace, self.metrics)
+                # The next attempt sends the media (pushed again, under fresh transfer ids).
+                should_rewrite = False
                 avoid = inst
         raise AssertionError("unreachable")
 

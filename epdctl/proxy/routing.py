@@ -216,6 +216,18 @@ def with_ec_params(body: dict[str, Any], params: dict[str, Any]) -> dict[str, An
     return {**body, "ec_transfer_params": {**(body.get("ec_transfer_params") or {}), **params}}
 
 
+def pd_body(body: dict[str, Any], items: list[MediaItem], reported: dict[str, Any],
+            params: dict[str, Any], should_rewrite: bool) -> tuple[dict[str, Any], bool]:
+    """The one PD (or P) body builder, for both EC protocols: media replaced by E's
+    `*_embeds` metadata where possible (should_rewrite), else the media with their keys; E's
+    transfer params attached. Returns the body and whether it was rewritten."""
+    if should_rewrite:
+        rewritten = rewrite_media(body, items, reported)
+        if rewritten is not None:
+            return with_ec_params(rewritten, params), True
+    return with_ec_params(with_keys(body, items), params), False
+
+
 def prefill_body(body: dict[str, Any], route: str) -> dict[str, Any]:
     """P's copy: one token, no streaming, asking P to keep the KV for a remote decode."""
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
