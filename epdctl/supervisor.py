@@ -206,23 +206,13 @@ class Supervisor:
         if now - self._janitor_at < JANITOR_INTERVAL_S:
             return
         self._janitor_at = now
-        from epdctl.cache._scan import namespace_dirs
-        from epdctl.cache.janitor import enforce
+        from epdctl.cache.janitor import keep_topology_store
 
         s = self.state.settings
-        store = Path(self.state.store_dir)
         try:
-            # The budget and TTL are this topology's: enforce them on its namespace alone.
-            enforce(store, capacity_bytes=s.cache_capacity_bytes, ttl_s=s.cache_ttl_s,
-                    grace_s=s.cache_grace_s)
-            # Namespaces an earlier run of this topology used (another model, dtype or vLLM
-            # version) can never be hit again; other topologies' namespaces are theirs.
-            stale = {d.name for d in namespace_dirs(store.parent)
-                     if d.name.startswith(f"{self.state.name}-") and d.name != store.name}
-            if stale:
-                keep = {d.name for d in namespace_dirs(store.parent)} - stale
-                enforce(store.parent, capacity_bytes=1 << 62, ttl_s=float("inf"),
-                        grace_s=s.cache_grace_s, keep_namespaces=keep)
+            keep_topology_store(Path(self.state.store_dir), self.state.name,
+                                capacity_bytes=s.cache_capacity_bytes, ttl_s=s.cache_ttl_s,
+                                grace_s=s.cache_grace_s)
         except Exception as exc:  # the janitor must never take the topology down
             print(f"epdctl: cache janitor failed: {exc!r}", file=sys.stderr)
 

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from epdctl import cache
 from epdctl._topology_file import Problems, format_errors, invalid, read_yaml, show
 from epdctl.proxy.config import defaults as _proxy_defaults
 
@@ -135,7 +136,7 @@ class Cache(BaseModel):
 
     model_config = _CONFIG
 
-    dir: Path = Path("/dev/shm/epdctl")
+    dir: Path = Path(cache.DEFAULT_STORE_ROOT)
     """Store root, one sub-directory per namespace; should be on tmpfs. A relative path is
     relative to the topology file."""
     capacity: Bytes = 8 << 30

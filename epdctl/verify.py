@@ -43,7 +43,7 @@ PROMPTS: tuple[Prompt, ...] = (
 
 
 @dataclass(frozen=True)
-class Answer:
+class ChatAnswer:
     """What one server said (or why it said nothing), and how long it took."""
 
     text: str | None
@@ -80,8 +80,8 @@ class CacheUse:
 @dataclass(frozen=True)
 class Result:
     prompt: Prompt
-    topology: Answer
-    baseline: Answer
+    topology: ChatAnswer
+    baseline: ChatAnswer
     cache: CacheUse | None = None
     """None when the prompt has no media or the topology has no encoder."""
 
@@ -150,10 +150,10 @@ def media_keys(prompt: Prompt) -> set[str]:
     return {content_key("image", png(seed)) for seed in prompt.images}
 
 
-Send = Callable[[str, dict[str, Any], Mapping[str, str]], Answer]
+Send = Callable[[str, dict[str, Any], Mapping[str, str]], ChatAnswer]
 
 
-def send_chat(base_url: str, body: dict[str, Any], headers: Mapping[str, str]) -> Answer:
+def send_chat(base_url: str, body: dict[str, Any], headers: Mapping[str, str]) -> ChatAnswer:
     """POST /v1/chat/completions; the answer's text (joined deltas when streamed)."""
     import httpx
 
@@ -164,17 +164,17 @@ def send_chat(base_url: str, body: dict[str, Any], headers: Mapping[str, str]) -
             if not body.get("stream"):
                 reply = client.post(url, json=body, headers=dict(headers))
                 if reply.status_code != 200:
-                    return Answer(None, time.perf_counter() - start, _http_error(reply))
+                    return ChatAnswer(None, time.perf_counter() - start, _http_error(reply))
                 text = reply.json()["choices"][0]["message"]["content"] or ""
-                return Answer(text, time.perf_counter() - start)
+                return ChatAnswer(text, time.perf_counter() - start)
             with client.stream("POST", url, json=body, headers=dict(headers)) as reply:
                 if reply.status_code != 200:
                     reply.read()
-                    return Answer(None, time.perf_counter() - start, _http_error(reply))
+                    return ChatAnswer(None, time.perf_counter() - start, _http_error(reply))
                 text = "".join(_deltas(reply.iter_lines()))
-            return Answer(text, time.perf_counter() - start)
+            return ChatAnswer(text, time.perf_counter() - start)
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        return Answer(None, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+        return ChatAnswer(None, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
 
 
 def _http_error(reply: Any) -> str:
@@ -253,7 +253,7 @@ def run_prompts(
 def report(results: Sequence[Result], **meta: Any) -> dict[str, Any]:
     """The `verify --json` document (stable keys)."""
 
-    def answer(a: Answer) -> dict[str, Any]:
+    def answer(a: ChatAnswer) -> dict[str, Any]:
         return {"text": a.text, "latency_s": round(a.latency_s, 4), "error": a.error}
 
     rows = [{

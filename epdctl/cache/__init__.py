@@ -7,3 +7,5 @@ from __future__ import annotations
 CONNECTOR_NAME = "EpdctlShmECConnector"
 CONNECTOR_MODULE = "epdctl.connector"
 FORMAT_VERSION = 2
+DEFAULT_STORE_ROOT = "/dev/shm/epdctl"
+"""Where the store lives unless a topology's `cache.dir` says otherwise (tmpfs)."""

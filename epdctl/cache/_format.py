@@ -154,12 +154,3 @@ def decode_header(buf: bytes) -> EntryHeader:
         created_ns=created_ns,
         data_offset=-(-end // PAGE_BYTES) * PAGE_BYTES,
     )
-
-
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

@@ -53,14 +53,15 @@ class EvictionReport:
 def enforce(
     store_dir: Path,
     *,
-    capacity_bytes: int,
+    capacity_bytes: int | None,
     ttl_s: float,
     grace_s: float,
     keep_namespaces: set[str] | None = None,
     pin_ttl_s: float = PIN_TTL_S,
     now: float | None = None,
 ) -> EvictionReport:
-    """One supervisor pass: TTL, LRU down to the budget, foreign namespaces, stale pins."""
+    """One supervisor pass: TTL, LRU down to the budget (None: no budget), foreign
+    namespaces, stale pins."""
     now = time.time() if now is None else now
 
     def is_foreign(ns: str) -> bool:
@@ -83,6 +84,25 @@ def enforce(
         dry_run=False,
         recycle=True,
     )
+
+
+def keep_topology_store(ns_dir: Path, topology: str, *, capacity_bytes: int, ttl_s: float,
+                        grace_s: float) -> list[EvictionReport]:
+    """The supervisor's pass for one running topology whose namespace is `ns_dir`.
+
+    Its budget and TTL hold on its own namespace alone; namespaces an earlier run of the same
+    topology used (another model, dtype or vLLM version: they can never be hit again) are
+    emptied and removed; other topologies' namespaces are theirs and left alone.
+    """
+    reports = [enforce(ns_dir, capacity_bytes=capacity_bytes, ttl_s=ttl_s, grace_s=grace_s)]
+    root = ns_dir.parent
+    stale = {d.name for d in namespace_dirs(root)
+             if d.name.startswith(f"{topology}-") and d.name != ns_dir.name}
+    if stale:
+        keep = {d.name for d in namespace_dirs(root)} - stale
+        reports.append(enforce(root, capacity_bytes=None, ttl_s=float("inf"), grace_s=grace_s,
+                               keep_namespaces=keep))
+    return reports
 
 
 def clean(

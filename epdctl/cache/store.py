@@ -20,7 +20,6 @@ from epdctl.cache._format import (
     FormatError,
     decode_header,
     encode_header,
-    format_bytes,
     key_filename,
     name_part,
     namespace_dirname,
@@ -28,6 +27,7 @@ from epdctl.cache._format import (
 )
 from epdctl.cache._maps import MAPPINGS
 from epdctl.errors import CacheError
+from epdctl.units import format_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

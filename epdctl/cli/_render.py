@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from epdctl.state import RunState
+from epdctl.units import format_bytes
 
 if TYPE_CHECKING:
     from rich.live import Live
@@ -36,14 +37,7 @@ def duration(seconds: float | None) -> str:
 
 
 def size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
+    return "-" if n is None else format_bytes(n)
 
 
 def elapsed(state: RunState, name: str, now: float) -> float | None:

@@ -9,9 +9,9 @@ import click
 from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
+from epdctl.render.k8s import DEFAULT_IMAGE
 
 # Kept here rather than imported so `--help` does not load the planner.
-DEFAULT_IMAGE = "vllm/vllm-openai:latest"
 # E|PD: Mooncake (the proxy speaks its transfer-id protocol). E|P|D: Mooncake's consumer
 # routing does not cover P|D, so ECCPUConnector (NIXL pull; the proxy forwards E's params).
 EC_CONNECTOR_E_PD = "ECMooncakeConnector"

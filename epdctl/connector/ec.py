@@ -15,6 +15,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 from vllm.logger import init_logger
 
+from epdctl import cache
 from epdctl.cache.stats import StatsWriter
 from epdctl.cache.store import Store, unpin
 from epdctl.connector import _io
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 # Under `vllm.`: vLLM configures only its own logger tree (handler, VLLM_LOGGING_LEVEL).
 logger = init_logger(f"vllm.{__name__}")
 
-DEFAULT_STORE_DIR = "/dev/shm/epdctl"
 
 
 class EpdctlShmECConnector(ECConnectorBase):
@@ -40,7 +40,7 @@ class EpdctlShmECConnector(ECConnectorBase):
         assert cfg is not None  # the base class raised otherwise
         extra = cfg.ec_connector_extra_config
         self._store = Store(
-            extra.get("store_dir", DEFAULT_STORE_DIR), extra.get("namespace", "default")
+            extra.get("store_dir", cache.DEFAULT_STORE_ROOT), extra.get("namespace", "default")
         )
         self._store.create()
         self._engine_id = str(cfg.engine_id)

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from epdctl.proxy.client import wrap
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, ProxyError, error_body
-from epdctl.proxy.handler import Proxy
+from epdctl.proxy.handler import ProxyHandler
 from epdctl.proxy.routing import CHAT, COMPLETIONS
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -25,7 +25,7 @@ PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _Completions:
     """A raw ASGI endpoint: Starlette routes to it without wrapping it in Request/Response."""
 
-    def __init__(self, proxy: Proxy, route: str) -> None:
+    def __init__(self, proxy: ProxyHandler, route: str) -> None:
         self.proxy = proxy
         self.route = route
 
@@ -41,7 +41,7 @@ def create_app(config: ProxyConfig, client: Any,
     server runner starts as a task (tests drive `proxy.upstreams` directly). Request lines
     go to `request_log` (default: the `epdctl.proxy` logger at INFO).
     """
-    proxy = Proxy(config, wrap(client, config.connect_timeout_s), request_log)
+    proxy = ProxyHandler(config, wrap(client, config.connect_timeout_s), request_log)
     created = int(time.time())
 
     def _json(status: int, obj: object) -> Response:

@@ -50,7 +50,7 @@ class _Disconnect:
         self._watch.cancel()
 
 
-class Proxy:
+class ProxyHandler:
     """Shared state of one app: config, pools, client, metrics, in-flight count."""
 
     def __init__(self, config: ProxyConfig, client: Upstream,

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.timeout(60)
 NAMES = [p.name for p in core.PROMPTS]
 
 
-def answer(text: str | None, error: str | None = None) -> core.Answer:
-    return core.Answer(text, 0.25, error)
+def answer(text: str | None, error: str | None = None) -> core.ChatAnswer:
+    return core.ChatAnswer(text, 0.25, error)
 
 
 def result(mine: str | None, theirs: str | None, cache: core.CacheUse | None = None,
@@ -143,7 +143,7 @@ def differ_on(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
         if (content if isinstance(content, str) else content[-1]["text"]) == text:
             seen.append(url)
             if len(seen) == 2:  # run_prompts asks the topology first, then the baseline
-                return core.Answer("something else", got.latency_s)
+                return core.ChatAnswer("something else", got.latency_s)
         return got
 
     monkeypatch.setattr(core, "send_chat", send)

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import click
 
+from epdctl import cache
 from epdctl.cli._app import App
-
-DEFAULT_STORE_ROOT = Path("/dev/shm/epdctl")
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ def resolve_store(app: App, store_dir: Path | None) -> StoreView:
     except EpdctlError:
         state = None
     if state is None:
-        return StoreView(DEFAULT_STORE_ROOT)
+        return StoreView(Path(cache.DEFAULT_STORE_ROOT))
     ns_dir = Path(state.store_dir)
     # state.json records the namespace's own dir; the store root is its parent.
     root = ns_dir.parent if ns_dir.name == state.namespace else ns_dir
