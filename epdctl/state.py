@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from epdctl.errors import AlreadyRunningError, EpdctlError, NotRunningError, StateError
 from epdctl.proxy.config import API_KEY_ENV
-from epdctl.spec import HOST, PROXY_ROLE, LaunchSpec, Plan, connect_url
+from epdctl.spec import HOST, LaunchSpec, Plan
 
 STATE_VERSION = 2
 # Kept by `down` instead of state.json, so `logs` still knows names and their order.
@@ -59,17 +59,10 @@ class SpecModel(BaseModel):
         fields["log_path"] = Path(self.log_path)
         return LaunchSpec(**fields)
 
-    @property
-    def url(self) -> str:
-        return connect_url(self.host, self.port)
-
-    @property
-    def health_url(self) -> str:
-        return f"{self.url}/health"
-
-    @property
-    def is_proxy(self) -> bool:
-        return self.role == PROXY_ROLE
+    # What a LaunchSpec derives from these fields, the stored one derives the same way.
+    url = property(lambda self: self.spec().url)
+    health_url = property(lambda self: self.spec().health_url)
+    is_proxy = property(lambda self: self.spec().is_proxy)
 
 
 class Record(BaseModel):
