@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from epdctl.errors import PlanError
 
 CPU_HINT = "for a CPU-only machine use `device: cpu`, see topologies/cpu-demo.yaml"
 
 
-def _nvml_devices() -> list[str]:
-    """The UUID of every GPU NVML sees, by NVML index (PCI bus order, as nvidia-smi)."""
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as NVML describes it; memory is None where NVML cannot tell (MIG)."""
+
+    id: str
+    """The device id as written into CUDA_VISIBLE_DEVICES (an index or a UUID)."""
+    name: str
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+
+
+@contextlib.contextmanager
+def _nvml() -> Iterator[Any]:
+    """The pynvml module between nvmlInit and nvmlShutdown; PlanError when NVML is absent."""
     try:
         import pynvml
     except ImportError:
@@ -23,11 +38,7 @@ def _nvml_devices() -> list[str]:
     except pynvml.NVMLError as exc:
         raise PlanError(f"no NVIDIA GPU found (NVML: {exc}); {CPU_HINT}") from None
     try:
-        uuids = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
-            uuids.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
-        return uuids
+        yield pynvml
     except pynvml.NVMLError as exc:
         raise PlanError(f"NVML cannot list the GPUs: {exc}") from None
     finally:
@@ -35,6 +46,17 @@ def _nvml_devices() -> list[str]:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_devices() -> list[str]:
+    """The UUID of every GPU NVML sees, by NVML index (PCI bus order, as nvidia-smi)."""
+    with _nvml() as nvml:
+        return [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index)))
+                for index in range(nvml.nvmlDeviceGetCount())]
 
 
 def _matches(entry: str, uuids: list[str]) -> bool:
@@ -76,3 +98,31 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
     if len(set(entries)) != len(entries):
         raise PlanError(f"CUDA_VISIBLE_DEVICES={outer!r} lists a GPU twice")
     return entries
+
+
+def _describe(nvml: Any, index: int, device_id: str) -> GpuInfo:
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    name = _text(nvml.nvmlDeviceGetName(handle))
+    try:
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    except nvml.NVMLError:
+        return GpuInfo(device_id, name)  # e.g. not supported on this device
+    return GpuInfo(device_id, name, int(memory.total), int(memory.free))
+
+
+def describe_gpus(environ: Mapping[str, str] | None = None) -> list[GpuInfo]:
+    """visible_gpus() with each GPU's name and memory now; PlanError as visible_gpus."""
+    ids = visible_gpus(environ)
+    with _nvml() as nvml:
+        uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index)))
+                 for index in range(nvml.nvmlDeviceGetCount())]
+        gpus = []
+        for device_id in ids:
+            if device_id.isdigit():
+                gpus.append(_describe(nvml, int(device_id), device_id))
+            elif device_id.startswith("MIG-"):
+                gpus.append(GpuInfo(device_id, "MIG device"))
+            else:
+                index = next(i for i, u in enumerate(uuids) if u.startswith(device_id))
+                gpus.append(_describe(nvml, index, device_id))
+        return gpus

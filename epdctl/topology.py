@@ -452,12 +452,12 @@ def parse_topology(data: Any, source: str = "topology") -> Topology:
         raise invalid(source, lines) from None
 
 
-def _resolve(topology: Topology, base: Path, source: str) -> Topology:
+def _resolve(topology: Topology, base: Path, source: str, model_must_exist: bool) -> Topology:
     """Make local model and cache paths absolute, relative to the topology file."""
     update: dict[str, Any] = {}
     if topology.model.startswith(("/", "./", "../", "~")) or topology.model in (".", ".."):
         model = (base / Path(topology.model).expanduser()).resolve()
-        if not model.exists():
+        if model_must_exist and not model.exists():
             raise invalid(source, [f"model: local path {model} does not exist"])
         update["model"] = str(model)
     cache_dir = (base / topology.cache.dir.expanduser()).absolute()
@@ -466,8 +466,12 @@ def _resolve(topology: Topology, base: Path, source: str) -> Topology:
     return topology.model_copy(update=update) if update else topology
 
 
-def load_topology(path: str | Path) -> Topology:
-    """Read and validate a topology YAML file; relative model and cache paths become absolute."""
+def load_topology(path: str | Path, *, model_must_exist: bool = True) -> Topology:
+    """Read and validate a topology YAML file; relative model and cache paths become absolute.
+
+    model_must_exist=False leaves a missing local model path for the caller to report
+    (`doctor` does, with the command that builds it).
+    """
     path = Path(path)
     topology = parse_topology(read_yaml(path), str(path))
-    return _resolve(topology, path.parent, str(path))
+    return _resolve(topology, path.parent, str(path), model_must_exist)

@@ -130,3 +130,32 @@ def test_nvml_failing_mid_listing_still_shuts_down(monkeypatch: pytest.MonkeyPat
         visible_gpus({})
     assert str(info.value) == "NVML cannot list the GPUs: GPU is lost"
     assert calls == ["init", "shutdown"]
+
+
+def test_describe_gpus_names_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from epdctl.gpus import GpuInfo, describe_gpus
+
+    calls = _fake_nvml(monkeypatch, UUIDS)
+    module = sys.modules["pynvml"]
+
+    def memory(handle: int) -> SimpleNamespace:
+        if handle == 3:
+            raise NVMLError("Not Supported")
+        return SimpleNamespace(total=80 << 30, free=(70 + handle) << 30)
+
+    module.nvmlDeviceGetName = lambda h: f"GPU model {h}".encode()  # type: ignore[attr-defined]
+    module.nvmlDeviceGetMemoryInfo = memory  # type: ignore[attr-defined]
+    assert describe_gpus({}) == [
+        GpuInfo("0", "GPU model 0", 80 << 30, 70 << 30),
+        GpuInfo("1", "GPU model 1", 80 << 30, 71 << 30),
+        GpuInfo("2", "GPU model 2", 80 << 30, 72 << 30),
+        GpuInfo("3", "GPU model 3"),
+    ]
+    assert calls == ["init", "shutdown"] * 2
+    outer = {"CUDA_VISIBLE_DEVICES": "GPU-3333,MIG-abc"}
+    assert describe_gpus(outer) == [GpuInfo("GPU-3333", "GPU model 2", 80 << 30, 72 << 30),
+                                    GpuInfo("MIG-abc", "MIG device")]
+    with pytest.raises(PlanError, match="hides all 4"):
+        describe_gpus({"CUDA_VISIBLE_DEVICES": ""})

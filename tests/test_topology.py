@@ -272,6 +272,15 @@ def test_local_model_path_becomes_absolute(tmp_path: Path) -> None:
     assert load_topology(path).model == str(tmp_path / "models" / "tiny")
 
 
+def test_missing_model_path_may_be_left_to_the_caller(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("name: demo\nmodel: ./models/none\nroles: {prefill_decode: {}}\n")
+    with pytest.raises(TopologyError, match="models/none does not exist"):
+        load_topology(path)
+    loaded = load_topology(path, model_must_exist=False)
+    assert loaded.model == str(tmp_path / "models" / "none")  # still made absolute
+
+
 def test_served_model_name() -> None:
     assert parse_topology({**MINIMAL, "served_model_name": "qwen"}).model_name == "qwen"
 

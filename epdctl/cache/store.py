@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from epdctl.cache import _recycle
 from epdctl.cache._format import (
@@ -314,15 +314,46 @@ def check_capacity(store_dir: str | os.PathLike[str], capacity_bytes: int) -> No
         probe.unlink()
     except OSError as exc:
         raise CacheError(f"the EC store `{root}` is not writable: {exc.strerror}") from None
-    usage = shutil.disk_usage(root)
-    held = _store_bytes(root)
-    if usage.free + held < capacity_bytes:
-        raise CacheError(
-            f"the EC store `{root}` has {format_bytes(usage.free + held)} available "
-            f"(filesystem size {format_bytes(usage.total)}) but the cache capacity is "
-            f"{format_bytes(capacity_bytes)}; lower cache.capacity or enlarge the filesystem "
-            "(Docker: --shm-size)"
-        )
+    problem = capacity_problem(root, capacity_bytes)
+    if problem:
+        raise CacheError(problem)
+
+
+class Usage(Protocol):
+    """What capacity_problem reads of shutil.disk_usage's answer."""
+
+    @property
+    def total(self) -> int: ...
+    @property
+    def free(self) -> int: ...
+
+
+DiskUsage = Callable[[Path], Usage]
+
+
+def capacity_problem(
+    store_dir: str | os.PathLike[str], capacity_bytes: int,
+    disk_usage: DiskUsage = shutil.disk_usage,
+) -> str | None:
+    """Why the store's filesystem cannot hold the budget (entries it holds count as room).
+
+    Reads the nearest existing directory, so a store that does not exist yet is judged by
+    the filesystem it will be created on. None when the budget fits.
+    """
+    root = Path(store_dir)
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    usage = disk_usage(existing)
+    available = usage.free + _store_bytes(root)
+    if available >= capacity_bytes:
+        return None
+    return (
+        f"the EC store `{root}` has {format_bytes(available)} available "
+        f"(filesystem size {format_bytes(usage.total)}) but the cache capacity is "
+        f"{format_bytes(capacity_bytes)}; lower cache.capacity or enlarge the filesystem "
+        "(Docker: --shm-size)"
+    )
 
 
 def _store_bytes(root: Path) -> int:
