@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from epdctl.doctor._host import (
 from epdctl.doctor._topology import check_combinations, check_model, kv_connector
 from epdctl.errors import PlanError
 from epdctl.gpus import GpuInfo
-from epdctl.plan import HOST, Plan, plan
+from epdctl.plan import Plan, plan
 from epdctl.topology import Role, Topology, parse_topology
 
 __all__ = ["Check", "Completed", "Probes", "Runner", "Status", "run_checks"]
@@ -70,14 +70,6 @@ class Probes:
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     cpu_count: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     vllm_requirement: str | None = field(default_factory=vllm_requirement)
-
-
-def engine_command(argv: Sequence[str], model: str) -> list[str]:
-    """The argv prefix before the model in a planned engine command line."""
-    for i in range(len(argv) - 2):
-        if argv[i] == model and argv[i + 1] == "--host" and argv[i + 2] == HOST:
-            return list(argv[:i])
-    raise ValueError(f"no `{model} --host {HOST}` in {list(argv)}")
 
 
 def _plans(topology: Topology, state_dir: Path, gpus: Gpus,
@@ -121,7 +113,7 @@ def run_checks(topology: Topology | None, state_root: Path,
     })
     placed, ports_plan, shown = _plans(target, state_root / target.name, gpus, probes.cpu_count)
     engine = shown.instances[0]
-    command = engine_command(engine.argv, target.model)
+    command = list(engine.command[:-1])  # the engine command, without the model
     env = {**probes.environ, **engine.env}
     connector = kv_connector(topology) if topology is not None else None
     module = kv_module(connector)

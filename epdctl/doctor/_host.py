@@ -6,13 +6,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from epdctl.cache._format import format_bytes
 from epdctl.cache.store import DiskUsage, capacity_problem
 from epdctl.doctor._check import Check
 from epdctl.errors import PlanError
 from epdctl.gpus import GpuInfo
 from epdctl.plan import Plan
 from epdctl.topology import Topology
+from epdctl.units import format_bytes
 
 # What vLLM 0.32 takes of a GPU when a role sets no gpu_memory_utilization (CacheConfig).
 VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
