@@ -17,12 +17,41 @@ from epdctl.render.k8s import DEFAULT_IMAGE
 EC_CONNECTOR_E_PD = "ECMooncakeConnector"
 EC_CONNECTOR_E_P_D = "ECCPUConnector"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
+# The Secret key read when --hf-token-secret names none (epdctl.render._volumes.HF_TOKEN_KEY;
+# kept here so `--help` does not load the renderer).
+HF_TOKEN_KEY = "HF_TOKEN"
 
 
 def _namespace(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None and not _DNS_LABEL.match(value):
         raise click.BadParameter("must be a DNS label: lower-case letters, digits and dashes")
     return value
+
+
+def _object_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not _DNS_SUBDOMAIN.match(value):
+        raise click.BadParameter("must be a Kubernetes object name: lower-case letters, "
+                                 "digits, dashes and dots")
+    return value
+
+
+def _pod_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.startswith("/"):
+        raise click.BadParameter(f"must be an absolute path, not {value!r}")
+    return value
+
+
+def _secret(ctx: click.Context, param: click.Parameter, value: str | None
+            ) -> tuple[str, str] | None:
+    if value is None:
+        return None
+    name, _, key = value.partition(":")
+    _object_name(ctx, param, name)
+    if not _SECRET_KEY.match(key or HF_TOKEN_KEY):
+        raise click.BadParameter(f"KEY must be letters, digits, '-', '_' or '.', not {key!r}")
+    return name, key or HF_TOKEN_KEY
 
 
 @click.group()
@@ -44,6 +73,22 @@ def render() -> None:
 @click.option("--gpus-per-node", type=click.IntRange(min=1),
               help="GPUs per node; a role with more tensor_parallel becomes a LeaderWorkerSet "
               "spanning nodes.")
+@click.option("--model-pvc", metavar="NAME", callback=_object_name,
+              help="PersistentVolumeClaim holding the model, for a `model:` that is an "
+              "absolute path in the pods; mounted read-only at that path's directory "
+              "(or --model-mount).")
+@click.option("--model-host-path", metavar="DIR", callback=_pod_dir,
+              help="Directory on every GPU node holding the model (hostPath), instead of "
+              "--model-pvc; mounted the same way.")
+@click.option("--model-mount", metavar="DIR", callback=_pod_dir,
+              help="Where the model volume is mounted in the pods; `model:` must be inside it "
+              "[default: the directory of `model:`].")
+@click.option("--hf-cache-pvc", metavar="NAME", callback=_object_name,
+              help="PersistentVolumeClaim for the Hugging Face cache (HF_HOME), shared by the "
+              "engine pods [default for a hub model: an emptyDir, so every pod downloads it].")
+@click.option("--hf-token-secret", "hf_token", metavar="NAME[:KEY]", callback=_secret,
+              help=f"Secret the engines read HF_TOKEN from, at KEY [default: {HF_TOKEN_KEY}] "
+              "(gated or private models).")
 @pass_app
 def k8s(
     app: App,
@@ -53,24 +98,39 @@ def k8s(
     image: str,
     ec_connector: str | None,
     gpus_per_node: int | None,
+    model_pvc: str | None,
+    model_host_path: str | None,
+    model_mount: str | None,
+    hf_cache_pvc: str | None,
+    hf_token: tuple[str, str] | None,
 ) -> None:
     """Render Kubernetes manifests (StatefulSets, Services, proxy, ConfigMap) for TOPOLOGY
 
     \b
     epdctl render k8s topologies/qwen2_5-vl-1e1pd.yaml | kubectl apply -f -
     epdctl render k8s topology.yaml -o manifests/ --namespace epd
+    epdctl render k8s topology.yaml --model-pvc qwen-weights   # model: /models/qwen2.5-vl-3b
+
+    `model:` is read as the pods see it: an absolute path is a path inside the pods (it need
+    not exist here), a Hugging Face id is downloaded into the pods' cache.
     """
+    from epdctl._topology_file import read_yaml
     from epdctl.render import K8sOptions, render_k8s
     from epdctl.render._yaml import dump_all, write_dir
-    from epdctl.topology import load_topology
+    from epdctl.topology import parse_topology
 
-    topology = load_topology(topology_path)
+    # Not load_topology: a model path is the pods', not this machine's, so it is kept as
+    # written and need not exist here.
+    topology = parse_topology(read_yaml(topology_path), str(topology_path))
     if ec_connector is None:
         is_split = "prefill" in topology.roles
         ec_connector = EC_CONNECTOR_E_P_D if is_split else EC_CONNECTOR_E_PD
     text = topology_path.read_text(encoding="utf-8")
+    secret, key = hf_token or (None, HF_TOKEN_KEY)
     options = K8sOptions(namespace=namespace, image=image, ec_connector=ec_connector,
-                         gpus_per_node=gpus_per_node)
+                         gpus_per_node=gpus_per_node, model_pvc=model_pvc,
+                         model_host_path=model_host_path, model_mount=model_mount,
+                         hf_cache_pvc=hf_cache_pvc, hf_token_secret=secret, hf_token_key=key)
     rendering = render_k8s(topology, text, options)
     if out_dir is None:
         click.echo(dump_all(rendering, topology_path.name), nl=False)

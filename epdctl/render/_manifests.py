@@ -42,6 +42,10 @@ class EngineRole:
     """GPUs per pod."""
     nodes: int = 1
     """Pods per replica; more than 1 means tensor parallelism across nodes (LWS)."""
+    volumes: tuple[Obj, ...] = ()
+    """Pod volumes besides /dev/shm (the model's, the Hugging Face cache)."""
+    mounts: tuple[Obj, ...] = ()
+    """The engine container's mounts of those volumes."""
 
     def pod_host(self, replica: int) -> str:
         """The stable per-pod DNS name: StatefulSet and LWS leaders share the scheme."""
@@ -104,14 +108,15 @@ def _engine_pod(role: EngineRole, image: str, argv: list[str], env: list[Obj],
                 *env],
         "ports": ports,
         "resources": _resources(role.gpus),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *role.mounts],
     }
     if has_http:
         container.update(_probes())
     return {
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
+                    *role.volumes],
     }
 
 

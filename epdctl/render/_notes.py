@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import posixpath
 from collections import Counter
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from epdctl import cache
 from epdctl.plan import Plan
+from epdctl.render import _volumes as v
 from epdctl.topology import Topology
 
 if TYPE_CHECKING:
@@ -41,6 +42,63 @@ def _ec_notes(topology: Topology, options: K8sOptions) -> list[str]:
     return lines
 
 
+def _model_notes(topology: Topology, options: K8sOptions) -> list[str]:
+    """Where the pods find the model, and what that assumes of the cluster."""
+    model = topology.model
+    lines: list[str] = []
+    mount = v.model_mount(topology, options)
+    if mount is not None:
+        if options.model_pvc:
+            source = f"PVC {options.model_pvc}"
+            needs = ("pods on several nodes need an access mode they can share (ReadOnlyMany "
+                     "or ReadWriteMany)")
+        else:
+            source = f"hostPath {options.model_host_path}"
+            needs = "every GPU node needs that directory (a pod without it does not start)"
+        inside = posixpath.relpath(posixpath.normpath(model), mount)
+        where = "at the volume's top level" if inside == "." else f"in {inside}/ on the volume"
+        lines.append(
+            f"model: {model} is a path in the engine pods: {source} is mounted read-only at "
+            f"{mount}, so the model's files must be {where}; {needs}."
+        )
+    elif v.is_pod_path(model):
+        lines.append(
+            f"model: {model} is a path in the engine pods, and no --model-pvc or "
+            "--model-host-path was given: the image must contain it."
+        )
+    if v.has_hf_cache(topology, options):
+        where = v.hf_cache_dir(topology.engine.env)
+        if where == v.HF_HOME:
+            where = f"HF_HOME={where}"
+        if options.hf_cache_pvc:
+            first = "" if v.is_pod_path(model) else \
+                "; the first pods to start download the model into it"
+            lines.append(
+                f"Hugging Face cache: PVC {options.hf_cache_pvc} at {where}, shared by every "
+                f"engine pod (ReadWriteMany across nodes){first}."
+            )
+        else:
+            lines.append(
+                f"model: {model} is downloaded from the Hugging Face Hub by every engine pod "
+                f"at each start, into an emptyDir at {where} (lost with the pod); "
+                "--hf-cache-pvc NAME keeps one cache."
+            )
+            offline = topology.engine.env.get("HF_HUB_OFFLINE", "").upper()
+            if offline in ("1", "ON", "YES", "TRUE"):
+                lines.append("engine.env sets HF_HUB_OFFLINE, so that emptyDir stays empty: "
+                             "give --hf-cache-pvc a volume that already holds the model.")
+    if options.hf_token_secret:
+        lines.append(
+            f"HF_TOKEN comes from Secret {options.hf_token_secret}, key "
+            f"{options.hf_token_key}: create it first (kubectl create secret generic "
+            f"{options.hf_token_secret} --from-literal={options.hf_token_key}=hf_...)."
+        )
+    elif not v.is_pod_path(model):
+        lines.append("No HF_TOKEN (--hf-token-secret): a gated or private model cannot "
+                     "be downloaded.")
+    return lines
+
+
 def notes(
     topology: Topology, roles: list[EngineRole], options: K8sOptions, local: Plan
 ) -> list[str]:
@@ -70,11 +128,7 @@ def notes(
                 f"{role.nodes} nodes of {role.gpus} GPU(s): a LeaderWorkerSet ({role.name}), "
                 "which needs the LWS controller installed and makes its own headless Service."
             )
-    if Path(topology.model).is_absolute():
-        lines.append(
-            f"model is a local path ({topology.model}): mount it at the same path in the "
-            "engine pods, or use a Hugging Face id."
-        )
+    lines += _model_notes(topology, options)
     if topology.restart.policy != "no":
         lines.append("restart: Kubernetes restarts failed pods itself; restart.* is not used.")
     lines.append(

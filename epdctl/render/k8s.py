@@ -11,6 +11,7 @@ from epdctl import cache
 from epdctl.errors import RenderError
 from epdctl.plan import LaunchSpec, plan, proxy_config
 from epdctl.render import _manifests as m
+from epdctl.render import _volumes
 from epdctl.render._notes import notes as _notes
 from epdctl.spec import transfer_args
 from epdctl.topology import ROLE_NAMES, ROLE_PREFIX, RoleName, Topology
@@ -36,6 +37,18 @@ class K8sOptions:
     ec_connector: str = DEFAULT_EC_CONNECTOR
     gpus_per_node: int | None = None
     """GPUs one node offers; a role whose tensor_parallel is larger spans nodes (LWS)."""
+    model_pvc: str | None = None
+    """PersistentVolumeClaim holding the model (an absolute `model:` path in the pods)."""
+    model_host_path: str | None = None
+    """Node directory holding the model, instead of a PVC."""
+    model_mount: str | None = None
+    """Where the model volume is mounted; default: the directory of `model:`."""
+    hf_cache_pvc: str | None = None
+    """PersistentVolumeClaim for the Hugging Face cache; default for a hub id: an emptyDir."""
+    hf_token_secret: str | None = None
+    """Secret the engines read HF_TOKEN from."""
+    hf_token_key: str = _volumes.HF_TOKEN_KEY
+    """The key in hf_token_secret that holds the token."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,8 @@ def _engine_role(
     pod = replace(spec, host="0.0.0.0", port=m.HTTP_PORT, ec_config=None, kv_config=None)
     argv = [escape(a) for a in pod.argv]
     env = [m.env_value(k, escape(v)) for k, v in spec.env.items() if k not in _LOCAL_ENV]
+    storage = _volumes.pod_storage(topology, spec.env, options)
+    env += storage.env
     ports = []
     ec = kv = None
     if spec.ec_config is not None:
@@ -115,6 +130,7 @@ def _engine_role(
         role=spec.role, name=f"{topology.name}-{ROLE_PREFIX[spec.role]}", replicas=role.replicas,
         argv=tuple(argv), env=tuple(env), ports=tuple(ports),
         gpus=min(per_node, role.tensor_parallel), nodes=nodes,
+        volumes=storage.volumes, mounts=storage.mounts,
     )
 
 
@@ -155,6 +171,7 @@ def _check(topology: Topology, options: K8sOptions) -> None:
                 f"roles -> {name} -> tensor_parallel: {role.tensor_parallel} does not split "
                 f"into nodes of {gpn} GPU(s) (--gpus-per-node)"
             )
+    _volumes.check(topology, options)
 
 
 def render_k8s(topology: Topology, source_text: str, options: K8sOptions) -> Rendering:

@@ -107,3 +107,58 @@ def test_unwritable_output_dir_exits_1(epdctl, tmp_path: Path) -> None:
     result = epdctl("render", "k8s", str(_write(tmp_path)), "-o", str(blocker / "sub"))
     assert result.exit_code == 1
     assert result.stderr.startswith(f"Error: {blocker / 'sub'}: cannot write manifests: ")
+
+
+def _engine_containers(stdout: str) -> list[dict]:
+    docs = [d for d in yaml.safe_load_all(stdout) if d]
+    for doc in docs:
+        validate(doc)
+    return [c for d in docs if d["kind"] == "StatefulSet"
+            for c in d["spec"]["template"]["spec"]["containers"]]
+
+
+def test_a_model_path_in_the_pods_need_not_exist_here(epdctl, tmp_path: Path) -> None:
+    model = "/models/not-on-this-machine/qwen2.5-vl-3b"
+    assert not Path(model).exists()
+    text = TOPOLOGY.replace("Qwen/Qwen2.5-VL-3B-Instruct", model)
+    result = epdctl("render", "k8s", str(_write(tmp_path, text)), "--model-pvc", "weights")
+    assert result.exit_code == 0, result.stderr
+    containers = _engine_containers(result.stdout)
+    assert len(containers) == 2
+    for container in containers:
+        assert model in container["command"]
+        assert {"name": "model", "mountPath": "/models/not-on-this-machine",
+                "readOnly": True} in container["volumeMounts"]
+    assert "note: model: /models/not-on-this-machine/qwen2.5-vl-3b is a path in the engine " \
+           "pods: PVC weights" in result.stderr
+
+
+def test_a_path_on_this_machine_is_refused_in_one_line(epdctl, tmp_path: Path) -> None:
+    (tmp_path / "weights").mkdir()  # it exists here, and still means nothing in a pod
+    text = TOPOLOGY.replace("Qwen/Qwen2.5-VL-3B-Instruct", "./weights")
+    result = epdctl("render", "k8s", str(_write(tmp_path, text)))
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("Error: model: `./weights` is a path on this machine, "
+                                    "which pods cannot see: write the model's absolute path")
+    assert result.stderr.count("\n") == 1
+
+
+def test_hf_token_secret_key_defaults_to_hf_token(epdctl, tmp_path: Path) -> None:
+    path = str(_write(tmp_path))
+    for arg, key in (("hf", "HF_TOKEN"), ("hf:token", "token")):
+        result = epdctl("render", "k8s", path, "--hf-token-secret", arg)
+        assert result.exit_code == 0, result.stderr
+        for container in _engine_containers(result.stdout):
+            (token,) = [e for e in container["env"] if e["name"] == "HF_TOKEN"]
+            assert token["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": key}
+
+
+def test_volume_option_usage_errors_exit_2(epdctl, tmp_path: Path) -> None:
+    path = str(_write(tmp_path))
+    for args in (("--model-pvc", "Bad_Name"), ("--hf-cache-pvc", "-x"),
+                 ("--model-host-path", "models"), ("--model-mount", "m"),
+                 ("--hf-token-secret", "tok:bad key"), ("--hf-token-secret", "Tok")):
+        result = epdctl("render", "k8s", path, *args)
+        assert result.exit_code == 2, args
+        assert f"Invalid value for '{args[0]}'" in result.stderr, args

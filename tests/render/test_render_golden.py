@@ -27,6 +27,14 @@ CASES: list[tuple[str, Path, tuple[str, ...]]] = [
      ("--gpus-per-node", "2", "--namespace", "epd", "--image", "registry.local/epd:1",
       "--ec-connector", "ECCPUConnector")),
     ("fixture-e-pd.eccpu", HERE / "topologies" / "e-pd.yaml", ("--ec-connector", "ECCPUConnector")),
+    # A model path in the pods, on a PVC (mounted at its directory) or a node directory.
+    ("fixture-pod-path.pvc", HERE / "topologies" / "pod-path.yaml",
+     ("--model-pvc", "qwen-weights")),
+    ("fixture-pod-path.hostpath", HERE / "topologies" / "pod-path.yaml",
+     ("--model-host-path", "/mnt/models/qwen2.5-vl-3b", "--model-mount", "/models/qwen2.5-vl-3b")),
+    # A hub id with a shared cache and a token from a Secret.
+    ("fixture-e-pd.hf", HERE / "topologies" / "e-pd.yaml",
+     ("--hf-cache-pvc", "hf-cache", "--hf-token-secret", "hf-token:token")),
 ]
 
 
