@@ -32,6 +32,9 @@ from epdctl.units import format_bytes
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+# EntryHeader and MAPPINGS (the entry format, the process's kept mappings) are this module's
+# public names for the connector's I/O, as well as the store's own.
+
 ENTRIES, PINS, TMP, STATS = "entries", "pins", "tmp", "stats"
 
 # Writes an entry's payload into its mapped bytes (a memoryview of exactly its size).

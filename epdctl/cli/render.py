@@ -115,8 +115,7 @@ def k8s(
     not exist here), a Hugging Face id is downloaded into the pods' cache.
     """
     from epdctl._topology_file import read_yaml
-    from epdctl.render import K8sOptions, render_k8s
-    from epdctl.render._yaml import dump_all, write_dir
+    from epdctl.render import K8sOptions, dump_all, render_k8s, write_dir
     from epdctl.topology import parse_topology
 
     # Not load_topology: a model path is the pods', not this machine's, so it is kept as

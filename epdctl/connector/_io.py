@@ -8,9 +8,7 @@ import warnings
 
 import torch
 
-from epdctl.cache._format import EntryHeader
-from epdctl.cache._maps import MAPPINGS
-from epdctl.cache.store import Store, map_entry, read_into
+from epdctl.cache.store import MAPPINGS, EntryHeader, Store, map_entry, read_into
 
 logger = logging.getLogger(f"vllm.{__name__}")
 

@@ -14,8 +14,7 @@ from vllm.distributed.ec_transfer.ec_connector.utils import (
 )
 from vllm.logger import init_logger
 
-from epdctl.cache._format import EntryHeader
-from epdctl.cache.store import Miss, Pin, Store, unpin
+from epdctl.cache.store import EntryHeader, Miss, Pin, Store, unpin
 
 if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec
