@@ -163,7 +163,7 @@ def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
     from epdctl.cache.store import check_capacity
     from epdctl.ports import check_plan_ports
     from epdctl.state import StateDir
-    from epdctl.topology import load_topology
+    from epdctl.topology import load_topology, require_local_model
 
     topology = load_topology(topology_path)
     plan = make_plan(app, topology, is_dry_run=is_dry_run)
@@ -171,6 +171,7 @@ def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
         for spec in plan.specs:
             app.out.print(f"# {spec.name} ({spec.role})\n{spec.shell()}", markup=False)
         return
+    require_local_model(topology)
     sdir = StateDir(plan.state_dir)
     fd = sdir.lock()
     try:
