@@ -121,7 +121,27 @@ def test_e_saves_and_pd_loads_without_encoding(store_root: Path) -> None:
     sched.shutdown()
     worker.shutdown()
     counts, key_hits = read_stats(store_root / NS)
-    assert (counts["hits"], counts["loads"], key_hits["img1"]) == (1, 1, 2)
+    assert (counts["hits"], counts["loads"], key_hits["img1"]) == (1, 1, 1)
+
+
+def test_a_request_pinned_on_several_steps_counts_one_hit(store_root: Path) -> None:
+    """A chunked prefill asks for the item again on each step until it is computed."""
+    produce(store_root, "img", torch.randn(6, 16))
+    sched, worker = make(store_root, SCHED, "ec_consumer"), make(store_root, WORKER, "ec_consumer")
+    cache: dict = {}
+    for rid in ("r1", "r2"):  # the repeat is another request item: its own hit
+        req = request(rid, feature("img", 6))  # placeholder tokens 3..8
+        for computed in (0, 4, 6):  # three prefill chunks; only the first allocates
+            assert sched.ensure_cache_available(req, computed) and sched.has_cache_item("img")
+            if computed == 0:
+                sched.update_state_after_alloc(req, 0)
+            step(sched, worker, cache)
+        assert sched.request_finished(req) == (False, None)
+    assert pins(store_root) == []
+    sched.shutdown()
+    worker.shutdown()
+    counts, key_hits = read_stats(store_root / NS)
+    assert (counts["hits"], counts["loads"], key_hits["img"]) == (2, 1, 2)
 
 
 def test_bfloat16_round_trip(store_root: Path) -> None:
