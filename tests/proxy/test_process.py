@@ -141,8 +141,11 @@ def test_openai_client_through_the_proxy_process(proxy):
     assert pd_body["messages"][0]["content"][1]["type"] == "image_embeds"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base + "/v1", api_key="wrong").models.list()
-    time.sleep(0.2)
-    assert "rid=p-1 route=/v1/chat/completions status=200" in log.read_text()
+    line = "rid=p-1 route=/v1/chat/completions status=200"
+    deadline = time.monotonic() + 10  # the proxy writes its request lines in 0.1 s batches
+    while line not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
 
 
 def test_process_maps_timeouts_to_504(proxy):
