@@ -35,7 +35,7 @@ from epdctl.readiness import STARTUP_TIMEOUT_S, is_ready
 from epdctl.shm import release
 from epdctl.spec import Plan
 from epdctl.state import RunState, Settings, StateDir, process_matches
-from epdctl.topology import Topology, load_topology
+from epdctl.topology import Topology, load_topology, require_local_model
 
 # Replaces `python -m epdctl.proxy` (its arguments kept): tests, or a proxy of your own.
 PROXY_COMMAND_ENV = "EPDCTL_PROXY_COMMAND"
@@ -116,8 +116,11 @@ class Run:
 
 def prepare(topology_path: Path, state_root: Path, *, is_dry_run: bool = False,
             warn: Warn | None = None, topology: Topology | None = None) -> Run:
-    """Load (unless given) and plan a topology; nothing is started or written."""
+    """Load (unless given) and plan a topology; nothing is started or written. Unless for a
+    dry run, a local model path must exist."""
     topology = topology or load_topology(topology_path)
+    if not is_dry_run:
+        require_local_model(topology)
     plan = make_plan(topology, state_root / topology.name, is_dry_run=is_dry_run, warn=warn)
     return Run(topology, Path(topology_path), plan, StateDir(plan.state_dir))
 

@@ -21,6 +21,7 @@ from pydantic import (
 
 from epdctl import cache
 from epdctl._topology_file import Problems, format_errors, invalid, read_yaml, show
+from epdctl.errors import PlanError
 from epdctl.proxy.config import defaults as _proxy_defaults
 
 RoleName = Literal["encode", "prefill_decode", "prefill", "decode"]
@@ -321,7 +322,7 @@ class Topology(BaseModel):
     """Lower-case letters, digits and dashes (at most 42); names the state dir and labels."""
     model: Annotated[str, Field(min_length=1)]
     """Hugging Face id, or a local path starting with `/`, `./`, `../` or `~` (relative
-    paths are relative to the topology file; the path must exist)."""
+    paths are relative to the topology file; `up` and `verify` need it to exist)."""
     served_model_name: Annotated[str, Field(min_length=1)] | None = None
     """The name clients put in `model`; default: `model` as written."""
     device: Literal["cuda", "cpu"] = "cuda"
@@ -452,26 +453,44 @@ def parse_topology(data: Any, source: str = "topology") -> Topology:
         raise invalid(source, lines) from None
 
 
-def _resolve(topology: Topology, base: Path, source: str, model_must_exist: bool) -> Topology:
+def is_local_model(model: str) -> bool:
+    """Whether `model` names a path (`/`, `./`, `../`, `~`) rather than a Hugging Face id."""
+    return model.startswith(("/", "./", "../", "~")) or model in (".", "..")
+
+
+def require_local_model(topology: Topology) -> None:
+    """Raise PlanError when the model is a local path missing here (`up`, `verify`)."""
+    # Not part of loading: render and --dry-run work without the model on this machine.
+    if not is_local_model(topology.model) or Path(topology.model).expanduser().exists():
+        return
+    from epdctl.dev.tiny_models import KINDS, default_cache_root
+
+    path, root = Path(topology.model).expanduser(), default_cache_root()
+    if path.name in KINDS and (path.parent == root or path.parent.name == "tiny-models"):
+        link = "" if path.parent == root else f" --link {path}"
+        fix = f"build it with `python -m epdctl.dev.tiny_models {path.name}{link}`"
+    else:
+        fix = "put the model there, or name a Hugging Face id"
+    raise PlanError(f"`{topology.name}`: model path {path} does not exist; {fix}")
+
+
+def _resolve(topology: Topology, base: Path) -> Topology:
     """Make local model and cache paths absolute, relative to the topology file."""
     update: dict[str, Any] = {}
-    if topology.model.startswith(("/", "./", "../", "~")) or topology.model in (".", ".."):
-        model = (base / Path(topology.model).expanduser()).resolve()
-        if model_must_exist and not model.exists():
-            raise invalid(source, [f"model: local path {model} does not exist"])
-        update["model"] = str(model)
+    if is_local_model(topology.model):
+        update["model"] = str((base / Path(topology.model).expanduser()).resolve())
     cache_dir = (base / topology.cache.dir.expanduser()).absolute()
     if cache_dir != topology.cache.dir:
         update["cache"] = topology.cache.model_copy(update={"dir": cache_dir})
     return topology.model_copy(update=update) if update else topology
 
 
-def load_topology(path: str | Path, *, model_must_exist: bool = True) -> Topology:
+def load_topology(path: str | Path) -> Topology:
     """Read and validate a topology YAML file; relative model and cache paths become absolute.
 
-    model_must_exist=False leaves a missing local model path for the caller to report
-    (`doctor` does, with the command that builds it).
+    A local model path need not exist (render and --dry-run work without it); what needs
+    the model calls `require_local_model`.
     """
     path = Path(path)
     topology = parse_topology(read_yaml(path), str(path))
-    return _resolve(topology, path.parent, str(path), model_must_exist)
+    return _resolve(topology, path.parent)

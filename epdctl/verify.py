@@ -208,7 +208,7 @@ def cache_use(
     ns_dir: Path, before: StoreCounters, keys: set[str], *, timeout_s: float = STATS_WAIT_S,
     clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
 ) -> CacheUse:
-    """Wait (briefly) until every key was loaded or a miss was counted; the deltas."""
+    """Wait (briefly) until every key got a hit from the store or a miss was counted; the deltas."""
     deadline = clock() + timeout_s
     while True:
         now = StoreCounters.read(ns_dir)

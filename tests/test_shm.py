@@ -12,7 +12,7 @@ import pytest
 
 from epdctl.shm import mapped_files, release
 from tests.cli.test_down import kill_supervisor, up
-from tests.conftest import run_pids
+from tests.conftest import is_running, run_pids
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -59,7 +59,11 @@ def test_down_unlinks_them_when_the_supervisor_is_gone_too(
     path = _fake_shm_file(state_root)
     kill_supervisor(state_root)
     _kill_group(state_root, "pd-0")
-    time.sleep(0.5)
+    pid = run_pids(state_root)["pd-0"]
+    end = time.monotonic() + 15
+    while is_running(pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not is_running(pid)
     assert path.exists()  # nobody unlinks it on a SIGKILL
     assert epdctl("down").exit_code == 0
     assert not path.exists()

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from epdctl.errors import TopologyError
+from epdctl.dev.tiny_models import CACHE_ENV
+from epdctl.errors import PlanError, TopologyError
 from epdctl.topology import (
     ROLE_NAMES,
     Topology,
@@ -16,6 +17,7 @@ from epdctl.topology import (
     parse_duration,
     parse_size,
     parse_topology,
+    require_local_model,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -77,9 +79,6 @@ EXPECTED = {
     ],
     "list.yaml": [
         'expected a mapping (name:, model:, roles:, ...), got a list',
-    ],
-    "missing-model-path.yaml": [
-        'model: local path {dir}/models/no-such-model does not exist',
     ],
     "missing-required.yaml": [
         'name: required key is missing',
@@ -200,7 +199,8 @@ def test_bad_file_gives_exact_message(name: str) -> None:
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_shipped_topologies_load(path: Path) -> None:
+def test_shipped_topologies_load(path: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # a fresh machine: no tiny model built yet
     topology = load_topology(path)
     assert topology.device == "cuda" or path.name.startswith("cpu-")
     assert path.read_text().startswith("#"), "each shipped topology starts with a comment header"
@@ -272,13 +272,38 @@ def test_local_model_path_becomes_absolute(tmp_path: Path) -> None:
     assert load_topology(path).model == str(tmp_path / "models" / "tiny")
 
 
-def test_missing_model_path_may_be_left_to_the_caller(tmp_path: Path) -> None:
+def test_a_missing_local_model_loads_but_up_requires_it(tmp_path: Path) -> None:
     path = tmp_path / "t.yaml"
     path.write_text("name: demo\nmodel: ./models/none\nroles: {prefill_decode: {}}\n")
-    with pytest.raises(TopologyError, match="models/none does not exist"):
-        load_topology(path)
-    loaded = load_topology(path, model_must_exist=False)
-    assert loaded.model == str(tmp_path / "models" / "none")  # still made absolute
+    topology = load_topology(path)  # render and --dry-run need no model here
+    assert topology.model == str(tmp_path / "models" / "none")
+    with pytest.raises(PlanError) as info:
+        require_local_model(topology)
+    assert str(info.value) == (f"`demo`: model path {tmp_path}/models/none does not exist; "
+                               "put the model there, or name a Hugging Face id")
+    assert info.value.exit_code == 1
+    (tmp_path / "models" / "none").mkdir(parents=True)
+    require_local_model(topology)
+    require_local_model(parse_topology(MINIMAL))  # a hub id is never checked here
+
+
+@pytest.mark.parametrize(("model", "command"), [
+    ("{cache}/qwen2vl", "python -m epdctl.dev.tiny_models qwen2vl"),
+    ("{home}/.cache/epdctl/tiny-models/llava",
+     "python -m epdctl.dev.tiny_models llava --link {home}/.cache/epdctl/tiny-models/llava"),
+])
+def test_a_missing_tiny_model_names_the_command_that_builds_it(
+    tmp_path: Path, monkeypatch, model: str, command: str
+) -> None:
+    home, cache = tmp_path / "home", tmp_path / "tiny"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    model = model.format(home=home, cache=cache)
+    topology = parse_topology({**MINIMAL, "model": model})
+    with pytest.raises(PlanError) as info:
+        require_local_model(topology)
+    assert str(info.value) == (f"`demo`: model path {model} does not exist; "
+                               f"build it with `{command.format(home=home)}`")
 
 
 def test_served_model_name() -> None:

@@ -71,7 +71,7 @@ def doctor(app: App, ctx: click.Context, topology_path: Path | None, as_json: bo
 
     topology = None
     if topology_path is not None:
-        topology = load_topology(topology_path, model_must_exist=False)
+        topology = load_topology(topology_path)
     if app.err.is_interactive and not as_json:
         with app.err.status("checking (vLLM's --version takes a few seconds)"):
             checks = run_checks(topology, app.state_root)

@@ -77,10 +77,11 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     from epdctl.launcher import stop_all
     from epdctl.run import require_ready
     from epdctl.state import StateDir
-    from epdctl.topology import load_topology
+    from epdctl.topology import load_topology, require_local_model
     from epdctl.verify import Target, report, run_prompts
 
     topology = load_topology(topology_path)
+    require_local_model(topology)
     sdir = StateDir(app.state_dir(topology.name))
     deadline = time.monotonic() + timeout_s
     # The baseline options are checked before anything starts.

@@ -69,6 +69,7 @@ class SchedulerSide:
         self._stat = stat
         self._pins: dict[str, _Held] = {}
         self._local: dict[str, set[str]] = {}  # request -> items it encodes itself
+        self._counted: dict[str, set[int]] = {}  # request -> items already counted as hits
         self._failed: set[str] = set()
         self._unavailable: set[str] = set()
         self._seen: set[str] = set()
@@ -98,6 +99,7 @@ class SchedulerSide:
                 continue
             if (held := self._pins.get(key)) is not None:
                 held.requests.add(rid)
+                self._count_hit(rid, index, key)
                 if time.monotonic() - held.pinned_at > PIN_RENEW_S:
                     # A request can wait long for KV space; stay clear of the janitor's TTL.
                     held.pin, held.pinned_at = self._store.renew(held.pin), time.monotonic()
@@ -113,12 +115,19 @@ class SchedulerSide:
             )
             if isinstance(result, Pin):
                 self._pins[key] = _Held(result, {rid})
-                self._stat(key, hits=1)
+                self._count_hit(rid, index, key)
                 continue
             self._stat(misses=1, invalid=0 if result.is_missing else 1)
             if not self._miss(request, feature, result):
                 return False
         return True
+
+    def _count_hit(self, rid: str, index: int, key: str) -> None:
+        """One hit per request item: a chunked prefill asks again (and pins again) each step."""
+        counted = self._counted.setdefault(rid, set())
+        if index not in counted:
+            counted.add(index)
+            self._stat(key, hits=1)
 
     def _miss(self, request: Request, feature: MultiModalFeatureSpec, miss: Miss) -> bool:
         """Encode locally if the request carries the media; else fail it (retryable)."""
@@ -157,6 +166,7 @@ class SchedulerSide:
         """Drop unused pins; on E, the items whose entry is committed (for the proxy)."""
         rid = request.request_id
         self._local.pop(rid, None)
+        self._counted.pop(rid, None)
         self._failed.discard(rid)
         self._seen.discard(rid)
         for feature in request.mm_features:

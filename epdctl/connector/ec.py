@@ -157,7 +157,9 @@ class EpdctlShmECConnector(ECConnectorBase):
         for load, tensor in zip(todo, tensors, strict=True):
             if isinstance(tensor, torch.Tensor):
                 encoder_cache[load.mm_hash] = tensor
-                self._stat(load.mm_hash, loads=1, load_bytes=load.header.nbytes, load_s=elapsed)
+                # No key: the scheduler counted this item's hit (one per request item, not
+                # one more per loading rank).
+                self._stat(loads=1, load_bytes=load.header.nbytes, load_s=elapsed)
                 logger.debug("Success load encoder cache for hash %s", load.mm_hash)
             else:
                 # Only a pin removed by hand gets here (never the entry's own name: its

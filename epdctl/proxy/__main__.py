@@ -31,8 +31,9 @@ async def serve(config: ProxyConfig) -> None:
     lines = LineWriter()
     async with _client(config) as client:
         app = create_app(config, client, lines)
+        # "auto": httptools when installed (a dependency), else uvicorn's pure-Python h11.
         server = uvicorn.Server(uvicorn.Config(
-            app, host=config.host, port=config.port, http="httptools", lifespan="off",
+            app, host=config.host, port=config.port, http="auto", lifespan="off",
             access_log=False, log_level="warning", timeout_keep_alive=30, backlog=4096))
         health = asyncio.create_task(app.state.proxy.run_health_checks())
         log.info("proxy on http://%s:%d mode=%s encode=%s pd=%s prefill=%s decode=%s "
@@ -77,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # httpx logs every sub-request at INFO; the proxy's own line per request says more.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        import uvloop
+        import uvloop  # a dependency where it builds (not on Windows)
 
         loop_factory = uvloop.new_event_loop
     except ImportError:

@@ -65,6 +65,19 @@ def test_bad_topology_is_exit_1(epdctl, tmp_path: Path) -> None:
     assert result.stderr == f"Error: {tmp_path / 'nope.yaml'}: no such file\n"
 
 
+def test_a_missing_local_model_is_refused_before_anything_starts(epdctl, fake_topology,
+                                                                  state_root, tmp_path) -> None:
+    topo = fake_topology()
+    topo.write_text(topo.read_text().replace("model: fake-model", "model: ./no-model"))
+    assert epdctl("up", str(topo), "--dry-run").exit_code == 0  # planning needs no model
+    result = epdctl("up", str(topo), "-d")
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr == (f"Error: `fake`: model path {tmp_path / 'no-model'} does not exist; "
+                             "put the model there, or name a Hugging Face id\n")
+    assert not (state_root / "fake").exists()
+
+
 def test_store_smaller_than_the_cache_budget_is_refused(epdctl, fake_topology, state_root,
                                                         tmp_path: Path) -> None:
     topo = fake_topology(cache="capacity: 1000TiB")

@@ -254,6 +254,17 @@ def test_unreachable_baseline_url_fails_before_starting(epdctl, fake_topology,
     assert not (state_root / "fake").exists()
 
 
+def test_a_missing_local_model_is_refused_before_anything_starts(epdctl, fake_topology,
+                                                                  state_root, tmp_path) -> None:
+    topo = fake_topology()
+    topo.write_text(topo.read_text().replace("model: fake-model", "model: ./no-model"))
+    result = epdctl("verify", str(topo))
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: `fake`: model path {tmp_path / 'no-model'} does not exist; "
+                             "put the model there, or name a Hugging Face id\n")
+    assert not (state_root / "fake").exists()
+
+
 def test_cuda_needs_a_baseline(epdctl, tmp_path, state_root) -> None:
     topo = tmp_path / "gpu.yaml"
     topo.write_text("name: gpu\nmodel: some/model\nroles:\n  encode: {gpus: [0]}\n"

@@ -124,6 +124,13 @@ def image_parts(*seeds: int, with_uuid: bool = True) -> tuple[list[dict[str, Any
     return parts, keys
 
 
+def ec_item(entry: dict[str, Any], modality: str = "image") -> dict[str, Any]:
+    """An `ec_transfer_params` item less the `modality` vLLM 0.33 adds (checked when there)."""
+    rest = dict(entry)
+    assert rest.pop("modality", modality) == modality, entry
+    return rest
+
+
 def post(server: Server, payload: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, dict]:
     """POST /v1/chat/completions; (status, JSON body) for errors too."""
     req = urllib.request.Request(

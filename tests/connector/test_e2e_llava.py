@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from epdctl.cache._format import PAGE_BYTES, decode_header
-from tests.connector.epd import EPD, body, epd, image_parts, log_has, post, text_of
+from tests.connector.epd import (
+    EPD,
+    body,
+    ec_item,
+    epd,
+    image_parts,
+    log_has,
+    post,
+    text_of,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -27,7 +36,7 @@ def encode(s: EPD, *seeds: int) -> tuple[dict, list[str]]:
     assert status == 200, response
     assert response["usage"]["completion_tokens"] == 0
     # LLaVA has no placeholder metadata: the proxy keeps the image for PD.
-    assert response["ec_transfer_params"] == {
+    assert {k: ec_item(v) for k, v in response["ec_transfer_params"].items()} == {
         k: {"item_indices": [i], "metadata": {}} for i, k in enumerate(keys)
     }
     return body(s.pd.model, parts), keys

@@ -26,6 +26,7 @@ from epdctl.cache import CONNECTOR_NAME  # noqa: E402
 from epdctl.cache.stats import read_stats  # noqa: E402
 from epdctl.cache.store import Store  # noqa: E402
 from epdctl.connector import EpdctlShmECConnector  # noqa: E402
+from tests.connector.epd import ec_item  # noqa: E402
 
 NS = "ns-unit"
 SCHED, WORKER = ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER
@@ -121,7 +122,27 @@ def test_e_saves_and_pd_loads_without_encoding(store_root: Path) -> None:
     sched.shutdown()
     worker.shutdown()
     counts, key_hits = read_stats(store_root / NS)
-    assert (counts["hits"], counts["loads"], key_hits["img1"]) == (1, 1, 2)
+    assert (counts["hits"], counts["loads"], key_hits["img1"]) == (1, 1, 1)
+
+
+def test_a_request_pinned_on_several_steps_counts_one_hit(store_root: Path) -> None:
+    """A chunked prefill asks for the item again on each step until it is computed."""
+    produce(store_root, "img", torch.randn(6, 16))
+    sched, worker = make(store_root, SCHED, "ec_consumer"), make(store_root, WORKER, "ec_consumer")
+    cache: dict = {}
+    for rid in ("r1", "r2"):  # the repeat is another request item: its own hit
+        req = request(rid, feature("img", 6))  # placeholder tokens 3..8
+        for computed in (0, 4, 6):  # three prefill chunks; only the first allocates
+            assert sched.ensure_cache_available(req, computed) and sched.has_cache_item("img")
+            if computed == 0:
+                sched.update_state_after_alloc(req, 0)
+            step(sched, worker, cache)
+        assert sched.request_finished(req) == (False, None)
+    assert pins(store_root) == []
+    sched.shutdown()
+    worker.shutdown()
+    counts, key_hits = read_stats(store_root / NS)
+    assert (counts["hits"], counts["loads"], key_hits["img"]) == (2, 1, 2)
 
 
 def test_bfloat16_round_trip(store_root: Path) -> None:
@@ -244,7 +265,28 @@ def test_held_pins_are_renewed_before_the_janitor_could_expire_them(
     assert renewed != first and renewed.rsplit(".", 1)[0] == first.rsplit(".", 1)[0]
 
 
-def test_producer_reports_committed_items_and_republishes_cache_hits(store_root: Path) -> None:
+def _with_modality(collect):
+    """vLLM 0.33's collect_ec_item_metadata: each entry also names its modality."""
+
+    def collect_033(features, resolver):
+        items = collect(features, resolver)
+        for feature in features:
+            items[feature.identifier] = {"modality": feature.modality,
+                                         **items[feature.identifier]}
+        return items
+
+    return collect_033
+
+
+@pytest.mark.parametrize("vllm", ["installed", "0.33"])
+def test_producer_reports_committed_items_and_republishes_cache_hits(
+    store_root: Path, monkeypatch: pytest.MonkeyPatch, vllm: str
+) -> None:
+    from epdctl.connector import _scheduler
+
+    if vllm == "0.33":
+        monkeypatch.setattr(_scheduler, "collect_ec_item_metadata",
+                            _with_modality(_scheduler.collect_ec_item_metadata))
     sched, worker = make(store_root, SCHED, "ec_producer"), make(store_root, WORKER, "ec_producer")
     saved, cached = torch.randn(4, 8), torch.randn(6, 8)
     req = request("r", feature("saved", 4), feature("cached", 6), feature("lost", 4))
@@ -255,9 +297,10 @@ def test_producer_reports_committed_items_and_republishes_cache_hits(store_root:
     worker.save_caches({"saved": saved}, "saved")  # freshly encoded this step
     done, items = sched.request_finished(req)
     assert done is False and items is not None
-    assert items["saved"] == {"item_indices": [0], "metadata": {"image_grid_thw": [1, 2, 2]}}
+    assert ec_item(items["saved"]) == {"item_indices": [0],
+                                       "metadata": {"image_grid_thw": [1, 2, 2]}}
     assert items["cached"]["metadata"] == {"image_grid_thw": [1, 2, 3]}
-    assert items["lost"] == {"item_indices": [2], "metadata": {}}  # never saved: keep media
+    assert ec_item(items["lost"]) == {"item_indices": [2], "metadata": {}}  # unsaved: keep media
 
 
 def test_producer_touches_entries_it_answers_from(store_root: Path) -> None:

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from epdctl.proxy import ProxyConfig, create_app
+from tests.e2e.conftest import tiny_llava  # noqa: F401  (test_real_vllm.py)
 from tests.proxy.fakes import MODEL, Fakes, Rig
 
 

@@ -141,8 +141,11 @@ def test_openai_client_through_the_proxy_process(proxy):
     assert pd_body["messages"][0]["content"][1]["type"] == "image_embeds"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base + "/v1", api_key="wrong").models.list()
-    time.sleep(0.2)
-    assert "rid=p-1 route=/v1/chat/completions status=200" in log.read_text()
+    line = "rid=p-1 route=/v1/chat/completions status=200"
+    deadline = time.monotonic() + 10  # the proxy writes its request lines in 0.1 s batches
+    while line not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
 
 
 def test_process_maps_timeouts_to_504(proxy):
@@ -153,10 +156,17 @@ def test_process_maps_timeouts_to_504(proxy):
     assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
 
 
-def test_process_maps_a_dead_instance_to_502(tmp_path):
+# `python -m epdctl.proxy` where httptools and uvloop cannot be imported.
+WITHOUT_SPEEDUPS = ("import sys; sys.modules.update(httptools=None, uvloop=None); "
+                    "from epdctl.proxy.__main__ import main; main()")
+
+
+@pytest.mark.parametrize("has_speedups", [True, False], ids=["speedups", "no-speedups"])
+def test_process_maps_a_dead_instance_to_502(tmp_path, has_speedups):
     port, dead = _free_port(), _free_port()
+    start = ["-m", "epdctl.proxy"] if has_speedups else ["-c", WITHOUT_SPEEDUPS]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
+        [sys.executable, *start, "--port", str(port), "--model", MODEL,
          "--pd", f"http://127.0.0.1:{dead}"], stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -167,6 +177,7 @@ def test_process_maps_a_dead_instance_to_502(tmp_path):
                     "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
                 break
             except httpx.ConnectError:
+                assert proc.poll() is None, "the proxy exited"
                 assert time.time() < deadline
                 time.sleep(0.1)
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unavailable"

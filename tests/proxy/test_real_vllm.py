@@ -24,13 +24,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object, Path]]:
+def stack(
+    tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, object, Path]]:
     """E, PD and a baseline (real vLLM) plus `python -m epdctl.proxy` in front of E and PD."""
-    pytest.importorskip("vllm", reason="needs vLLM (scripts/setup-cpu.sh)")
-    from epdctl.dev.tiny_models import ensure_model
     from tests.connector.epd import epd
 
-    model = ensure_model("llava")
+    model = tiny_llava
     logs = tmp_path_factory.mktemp("proxy-real")
     with epd(model, logs, with_baseline=True) as servers:
         port = free_port()
@@ -84,7 +84,9 @@ def test_pd_loads_what_e_encoded_under_the_proxy_key(stack):
         time.sleep(0.2)
     assert f"Finish execute for mm hash {key}" in servers.encoder.log_text()
     assert f"Finish execute for mm hash {key}" not in servers.pd.log_text()
-    time.sleep(0.3)  # the proxy writes its request lines in 0.1 s batches
-    lines = [line for line in log.read_text().splitlines() if "status=200" in line
-             and "items=1" in line]
-    assert lines and "encode_ms=" in lines[-1] and "fallbacks" not in lines[-1]
+    deadline = time.monotonic() + 10  # the proxy writes its request lines in 0.1 s batches
+    while not (lines := [line for line in log.read_text().splitlines() if "status=200" in line
+                         and "items=1" in line]):
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    assert "encode_ms=" in lines[-1] and "fallbacks" not in lines[-1]

@@ -43,6 +43,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "tiny-llava"
 ENCODE_TIMEOUT_S = 10
 RESTART_READY_S = 300
+# The tiny LLaVA's max_position_embeddings: room for the longest answer test_killed_pd asks.
+MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,8 @@ def run(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
         def change(data: dict[str, Any]) -> None:
             debug_logs(data)
+            args = data["engine"]["args"]
+            args[args.index("--max-model-len") + 1] = str(MAX_MODEL_LEN)
             data["restart"] = {"policy": "on-failure", "max_restarts": 2, "backoff": "1s"}
             data["proxy"]["encode_timeout"] = ENCODE_TIMEOUT_S
             if is_small:
@@ -136,9 +140,12 @@ def test_killed_encoder(probe: Probe) -> None:
     show it out; the restart policy brings it back and the proxy sends it work again."""
     old = probe.pid("encode-0")
     with ThreadPoolExecutor(4) as pool:
-        inflight = [pool.submit(ask, probe, seed, stream=seed % 2 == 0) for seed in (6, 7, 8)]
-        time.sleep(0.05)
-        kill_group(old)
+        kill_group(old, signal.SIGSTOP)  # E answers none of them before it dies
+        try:
+            inflight = [pool.submit(ask, probe, seed, stream=seed % 2 == 0) for seed in (6, 7, 8)]
+            assert wait_for(lambda: probe.health()[1].get("inflight") == 3, 30), probe.health()
+        finally:
+            kill_group(old)
         answers = [f.result(timeout=120) for f in inflight]
     assert answers == [reference(probe, s) for s in (6, 7, 8)]
     assert wait_for(lambda: probe.status()["encode-0"]["restarts"] == 1, 30, 0.5)
@@ -204,10 +211,23 @@ def test_store_full_and_foreign_entry(run: TopologyRun, probe: Probe) -> None:
     assert after, read_stats(store.root)[0]
 
 
-def _long(stream: bool) -> dict[str, Any]:
-    """A text request that generates for a few seconds (no EOS can end it early)."""
-    return body(MODEL, text="Tell me a long story.", max_tokens=400, ignore_eos=True,
-                stream=stream)
+def _longest(probe: Probe) -> dict[str, Any]:
+    """A text request that generates up to the context length (no EOS can end it early)."""
+    request = body(MODEL, text="Tell me a long story.", ignore_eos=True)
+    size = httpx.post(f"{probe.urls['pd-0']}/tokenize", json={
+        "model": MODEL, "messages": request["messages"]}, timeout=30).json()
+    return {**request, "max_tokens": size["max_model_len"] - size["count"]}
+
+
+def _until_content(lines: Iterator[str]) -> list[str]:
+    """Lines up to the first event with content: the proxy has committed the stream."""
+    head = []
+    for line in lines:
+        head.append(line)
+        choices = json.loads(line[6:]).get("choices", []) if line.startswith("data: {") else []
+        if any(c.get("delta", {}).get("content") for c in choices):
+            return head
+    raise AssertionError(f"the stream ended before any content: {head}")
 
 
 def _error_of(reply: httpx.Response) -> dict[str, Any]:
@@ -221,12 +241,15 @@ def test_killed_pd(probe: Probe) -> None:
     hang; the restart policy brings PD back and answers are right again."""
     url = f"{probe.proxy}/v1/chat/completions"
     old = probe.pid("pd-0")
+    longest = _longest(probe)
     with ThreadPoolExecutor(1) as pool:
-        plain = pool.submit(httpx.post, url, json=_long(False), timeout=60)
-        with httpx.stream("POST", url, json=_long(True), timeout=60) as reply:
+        plain = pool.submit(httpx.post, url, json=longest, timeout=60)
+        assert wait_for(lambda: probe.health()[1].get("inflight") == 1, 30), probe.health()
+        # Killed at its first content: the answer has about MAX_MODEL_LEN tokens still to go.
+        with httpx.stream("POST", url, json={**longest, "stream": True}, timeout=60) as reply:
             assert reply.status_code == 200
             lines = reply.iter_lines()
-            head = [next(lines) for _ in range(3)]  # committed: content is flowing
+            head = _until_content(lines)
             kill_group(old)
             tail = list(lines)
         events = [line for line in [*head, *tail] if line.startswith("data: ")]

@@ -49,7 +49,9 @@ def _render(epdctl, path: Path, args: tuple[str, ...]):
 
 
 @pytest.mark.parametrize(("golden", "path", "args"), CASES, ids=[c[0] for c in CASES])
-def test_matches_golden(epdctl, golden: str, path: Path, args: tuple[str, ...]) -> None:
+def test_matches_golden(epdctl, golden: str, path: Path, args: tuple[str, ...], tmp_path: Path,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # a fresh machine: no tiny model built yet
     result = _render(epdctl, path, args)
     out, err = GOLDEN / f"{golden}.yaml", GOLDEN / f"{golden}.err"
     if SHOULD_UPDATE:
