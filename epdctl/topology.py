@@ -9,20 +9,33 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from epdctl import cache
 from epdctl._topology_file import Problems, format_errors, invalid, read_yaml, show
 from epdctl.errors import PlanError
-from epdctl.proxy.config import defaults as _proxy_defaults
+from epdctl.topology_sections import (
+    _CONFIG,
+    KV,
+    Cache,
+    Engine,
+    Ports,
+    Proxy,
+    Restart,
+    Role,
+    parse_duration,
+    parse_size,
+)
+
+__all__ = [
+    "NAMESPACE_FLAGS", "RESERVED_FLAGS", "ROLE_NAMES", "ROLE_PREFIX", "Role", "RoleName",
+    "Topology", "canonical_flag", "flag_value", "is_local_model", "load_topology",
+    "parse_duration", "parse_size", "parse_topology", "require_local_model",
+]
 
 RoleName = Literal["encode", "prefill_decode", "prefill", "decode"]
 ROLE_NAMES: tuple[RoleName, ...] = ("encode", "prefill_decode", "prefill", "decode")
@@ -57,203 +70,6 @@ RESERVED_FLAGS = {
 }
 _NAME_PATTERN = re.compile(r"[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?")
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1 << 10,
-    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
-    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
-}
-_DURATION_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_size(value: Any) -> int:
-    """`8GiB`, `512M`, `1000` (bytes) -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if isinstance(value, bool | float) or not match or match[2].lower() not in _SIZE_UNITS:
-        raise ValueError(f"expected a size such as 8GiB or 512MiB, got {show(value)}")
-    return int(float(match[1]) * _SIZE_UNITS[match[2].lower()])
-
-
-def parse_duration(value: Any) -> float:
-    """`30m`, `90s`, `1.5h`, `45` (seconds) -> seconds."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if isinstance(value, bool) or not match or match[2].lower() not in _DURATION_UNITS:
-        raise ValueError(f"expected a duration such as 30s, 10m or 2h, got {show(value)}")
-    return float(match[1]) * _DURATION_UNITS[match[2].lower()]
-
-
-def _check_port(value: int) -> int:
-    if not 1 <= value <= 65535:
-        raise ValueError(f"expected a port number from 1 to 65535, got {value}")
-    return value
-
-
-def _check_gpus(value: Any) -> Any:
-    # One clean message instead of pydantic's two union branches (list[...] / int).
-    for item in value if isinstance(value, list) else [] if value is None else [value]:
-        if not isinstance(item, int) or isinstance(item, bool) or item < 0:
-            raise ValueError(f"expected a list of GPU indices or a count, got {show(item)}")
-    return value
-
-
-def _check_fraction(value: float) -> float:
-    if not 0 < value <= 1:
-        raise ValueError(f"expected a fraction of GPU memory above 0 and at most 1, got {value}")
-    return value
-
-
-Int = Annotated[int, Field(strict=True)]
-Bytes = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
-Seconds = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
-Port = Annotated[int, Field(strict=True), AfterValidator(_check_port)]
-Bool = Annotated[bool, Field(strict=True)]
-
-_CONFIG = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-# Numbers in argv and env lists are common in YAML (`--max-model-len, 8192`); accept them.
-_ARGS_CONFIG = ConfigDict(**_CONFIG, coerce_numbers_to_str=True)
-
-
-class Engine(BaseModel):
-    """How an engine process starts."""
-
-    model_config = _ARGS_CONFIG
-
-    command: Annotated[list[str], Field(min_length=1)] | None = None
-    """argv prefix that starts one engine, before the model; default `vllm serve`
-    (`python -m epdctl.engines.vllm_cpu serve` on `device: cpu`)."""
-    args: list[str] = []
-    """Arguments given to every instance, after the model (numbers are written as text)."""
-    env: dict[str, str] = {}
-    """Environment given to every instance."""
-
-
-class Cache(BaseModel):
-    """The built-in shared-memory EC store."""
-
-    model_config = _CONFIG
-
-    dir: Path = Path(cache.DEFAULT_STORE_ROOT)
-    """Store root, one sub-directory per namespace; should be on tmpfs. A relative path is
-    relative to the topology file."""
-    capacity: Bytes = 8 << 30
-    """Byte budget the janitor keeps the namespace under (`8GiB`, `512MiB`, or bytes)."""
-    ttl: Seconds = 1800.0
-    """Entries unused for this long are evicted (`30m`, `90s`, or seconds)."""
-    grace: Seconds = 120.0
-    """Entries younger than this are never evicted (E answered, P/PD has not loaded yet)."""
-    keep_on_down: Bool = False
-    """Keep the store's files when the topology goes down."""
-
-
-class KV(BaseModel):
-    """KV transfer between prefill and decode (E|P|D only)."""
-
-    model_config = _CONFIG
-
-    connector: Annotated[str, Field(min_length=1)] | None = None
-    """vLLM KV connector name; default NixlConnector (ExampleConnector on `device: cpu`)."""
-    extra_config: dict[str, Any] = {}
-    """`kv_connector_extra_config` given to P and D."""
-
-
-_PROXY = _proxy_defaults()
-
-
-class Proxy(BaseModel):
-    """The embedded OpenAI-compatible proxy in front of the instances.
-
-    Each field is a knob of `epdctl.proxy.config.ProxyConfig` (same name, less `_s`), which
-    holds its default; the plan maps one into the other by name.
-    """
-
-    model_config = _CONFIG
-
-    host: str = _PROXY["host"]
-    """Address to bind (`0.0.0.0` for every interface). Anything but loopback should come
-    with an api_key."""
-    port: Port = _PROXY["port"]
-    """Port clients connect to."""
-    api_key: Annotated[str, Field(min_length=1)] | None = _PROXY["api_key"]
-    """Bearer token required on every route but /health."""
-    metadata_rewrite: Bool = _PROXY["metadata_rewrite"]
-    """Replace media by E's `*_embeds` metadata so P/PD skip preprocessing (where supported)."""
-    encode_timeout: Seconds = _PROXY["encode_timeout_s"]
-    """Deadline for an encoder's answer to one media item."""
-    prefill_timeout: Seconds = _PROXY["prefill_timeout_s"]
-    """Deadline for the prefill answer (E|P|D)."""
-    decode_timeout: Seconds = _PROXY["decode_timeout_s"]
-    """Deadline for the first byte from decode (or PD); later chunks use the idle timeout."""
-    stream_idle_timeout: Seconds = _PROXY["stream_idle_timeout_s"]
-    """Longest silence allowed between two chunks of a streamed answer."""
-    max_inflight: Annotated[Int, Field(ge=1)] = _PROXY["max_inflight"]
-    """Requests served at once; more get 503 with Retry-After."""
-
-    @field_validator("host")
-    @classmethod
-    def _check_host(cls, value: str) -> str:
-        if not value or any(c in value for c in "/ \t") or value.count(":") == 1:
-            raise ValueError(
-                f"expected an address such as 127.0.0.1 or 0.0.0.0 (no scheme or port), "
-                f"got {show(value)}"
-            )
-        return value
-
-
-class Restart(BaseModel):
-    """What the supervisor does when an instance exits while serving."""
-
-    model_config = _CONFIG
-
-    policy: Literal["no", "on-failure"] = "no"
-    """`no`: an exit stops the topology; `on-failure`: restart the instance."""
-    max_restarts: Annotated[Int, Field(ge=0)] = 3
-    """Restarts per instance before giving up and stopping the topology."""
-    backoff: Seconds = 2.0
-    """First delay; doubled on each restart of the same instance."""
-
-    @field_validator("policy", mode="before")
-    @classmethod
-    def _yaml_no(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare `no` as false.
-        return "no" if value is False else value
-
-
-class Ports(BaseModel):
-    """Where port planning starts."""
-
-    model_config = _CONFIG
-
-    base: Port = 8100
-    """First HTTP port for instances, one each in role order; proxy.port is skipped."""
-    side_channel_base: Port = 5600
-    """First NIXL side-channel port (one per prefill/decode instance)."""
-
-
-class Role(BaseModel):
-    """One role: how many instances, where they run, and their extra vLLM arguments."""
-
-    model_config = _ARGS_CONFIG
-
-    replicas: Annotated[Int, Field(ge=1)] = 1
-    """Instances of this role; named `<prefix>-0`, `<prefix>-1`, ..."""
-    gpus: Annotated[list[int] | int | None, BeforeValidator(_check_gpus)] = None
-    """GPU indices for all replicas (replicas x tensor_parallel of them, in order), or a
-    count to pick from the GPUs no role lists; default: pick. Indices count the GPUs
-    epdctl sees (after an outer CUDA_VISIBLE_DEVICES)."""
-    tensor_parallel: Annotated[Int, Field(ge=1)] = 1
-    """GPUs per replica (`--tensor-parallel-size`)."""
-    gpu_memory_utilization: Annotated[float, Field(strict=True), AfterValidator(_check_fraction)] \
-        | None = None
-    """Fraction of each GPU this instance may take; required when GPUs are shared."""
-    args: list[str] = []
-    """vLLM arguments for this role, after engine.args (numbers are written as text)."""
-    env: dict[str, str] = {}
-    """Environment for this role, over engine.env."""
 
 
 def _flag_name(arg: str) -> str:

@@ -46,7 +46,10 @@ def is_pod_path(model: str) -> bool:
 
 
 def _is_local_path(model: str) -> bool:
-    return model.startswith(("./", "../", "~")) or model in (".", "..")
+    """Path-like but not absolute: a path on this machine, meaningless in a pod."""
+    from epdctl.topology import is_local_model
+
+    return is_local_model(model) and not is_pod_path(model)
 
 
 def model_mount(topology: Topology, options: K8sOptions) -> str | None:
