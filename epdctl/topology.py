@@ -18,6 +18,7 @@ from pydantic import (
 
 from epdctl._topology_file import Problems, format_errors, invalid, read_yaml, show
 from epdctl.errors import PlanError
+from epdctl.proxy.config import Mode
 from epdctl.topology_sections import (
     _CONFIG,
     KV,
@@ -225,8 +226,9 @@ class Topology(BaseModel):
         return []
 
     @property
-    def mode(self) -> Literal["epd", "e-pd", "p-d", "pd"]:
-        """Which orchestration the proxy runs: E|P|D, E|PD, P|D, or one aggregated PD."""
+    def mode(self) -> Mode:
+        """Which orchestration the proxy runs (its labels: MODE_LABEL): E|P|D, E|PD, P|D, or
+        one aggregated PD."""
         has_e = "encode" in self.roles
         if "prefill" in self.roles:
             return "epd" if has_e else "p-d"

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from epdctl.proxy.config import LOOPBACK, ProxyConfig, parse_argv
+from epdctl.proxy.config import LOOPBACK, MODE_LABEL, ProxyConfig, parse_argv
 
 log = logging.getLogger("epdctl.proxy")
 # vLLM drops idle keep-alive connections after 5 s; retire ours first so a request never
@@ -37,7 +37,8 @@ async def serve(config: ProxyConfig) -> None:
             access_log=False, log_level="warning", timeout_keep_alive=30, backlog=4096))
         health = asyncio.create_task(app.state.proxy.run_health_checks())
         log.info("proxy on http://%s:%d mode=%s encode=%s pd=%s prefill=%s decode=%s "
-                 "rewrite=%s ec=%s auth=%s client=%s", config.host, config.port, config.mode,
+                 "rewrite=%s ec=%s auth=%s client=%s", config.host, config.port,
+                 MODE_LABEL[config.mode],
                  list(config.encode), list(config.pd), list(config.prefill), list(config.decode),
                  config.metadata_rewrite, config.ec_protocol,
                  "on" if config.api_key else "off", config.client)

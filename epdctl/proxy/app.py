@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from epdctl.proxy.client import wrap
-from epdctl.proxy.config import ProxyConfig
+from epdctl.proxy.config import MODE_LABEL, ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, ProxyError, error_body
 from epdctl.proxy.handler import ProxyHandler
 from epdctl.proxy.routing import CHAT, COMPLETIONS
@@ -64,7 +64,7 @@ def create_app(config: ProxyConfig, client: Any,
 
     async def health(request: Request) -> Response:
         is_ok, report = proxy.upstreams.report()
-        return _json(200 if is_ok else 503, {**report, "mode": config.mode,
+        return _json(200 if is_ok else 503, {**report, "mode": MODE_LABEL[config.mode],
                                              "inflight": proxy.inflight})
 
     async def metrics(request: Request) -> Response:

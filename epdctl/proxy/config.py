@@ -15,6 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+Mode = Literal["epd", "e-pd", "p-d", "pd"]
+"""How a topology is orchestrated (state.json, `status`), one spelling; MODE_LABEL for people."""
+MODE_LABEL: dict[str, str] = {"epd": "E|P|D", "e-pd": "E|PD", "p-d": "P|D", "pd": "PD"}
+
 # The API key travels in the environment, never on a command line (`ps` shows those).
 API_KEY_ENV = "EPDCTL_PROXY_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -131,9 +135,10 @@ class ProxyConfig:
         return bool(self.prefill)
 
     @property
-    def mode(self) -> str:
-        core = "P|D" if self.is_split else "PD"
-        return f"E|{core}" if self.encode else core
+    def mode(self) -> Mode:
+        if self.is_split:
+            return "epd" if self.encode else "p-d"
+        return "e-pd" if self.encode else "pd"
 
     def to_argv(self, *, exclude: Sequence[str] = ()) -> list[str]:
         """The flags that make `parse_argv` return this config (the API key stays out)."""
