@@ -9,7 +9,7 @@ import click
 from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
-from epdctl.render.k8s import DEFAULT_IMAGE
+from epdctl.render.options import DEFAULT_IMAGE, HF_TOKEN_KEY
 
 # Kept here rather than imported so `--help` does not load the planner.
 # E|PD: Mooncake (the proxy speaks its transfer-id protocol). E|P|D: Mooncake's consumer
@@ -19,9 +19,6 @@ EC_CONNECTOR_E_P_D = "ECCPUConnector"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
-# The Secret key read when --hf-token-secret names none (epdctl.render._volumes.HF_TOKEN_KEY;
-# kept here so `--help` does not load the renderer).
-HF_TOKEN_KEY = "HF_TOKEN"
 
 
 def _namespace(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

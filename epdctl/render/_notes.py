@@ -13,7 +13,7 @@ from epdctl.topology import Topology
 
 if TYPE_CHECKING:
     from epdctl.render._manifests import EngineRole
-    from epdctl.render.k8s import K8sOptions
+    from epdctl.render.options import K8sOptions
 
 
 def _ec_notes(topology: Topology, options: K8sOptions) -> list[str]:

@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any
 from epdctl.errors import RenderError
 
 if TYPE_CHECKING:
-    from epdctl.render.k8s import K8sOptions
+    from epdctl.render.options import K8sOptions
     from epdctl.topology import Topology
 
 # vllm/vllm-openai runs as root: this is where huggingface_hub caches unless told otherwise.
 HF_HOME = "/root/.cache/huggingface"
-HF_TOKEN_KEY = "HF_TOKEN"
 """The Secret key read for HF_TOKEN when --hf-token-secret names none."""
 MODEL_VOLUME = "model"
 HF_CACHE_VOLUME = "hf-cache"

@@ -13,11 +13,10 @@ from epdctl.plan import LaunchSpec, plan, proxy_config
 from epdctl.render import _manifests as m
 from epdctl.render import _volumes
 from epdctl.render._notes import notes as _notes
+from epdctl.render.options import K8sOptions
 from epdctl.spec import transfer_args
 from epdctl.topology import ROLE_NAMES, ROLE_PREFIX, RoleName, Topology
 
-DEFAULT_IMAGE = "vllm/vllm-openai:latest"
-DEFAULT_EC_CONNECTOR = "ECMooncakeConnector"
 MOONCAKE_PORT = 14579
 # Env the local plan uses to share one machine; pods get whole GPUs and their own ports.
 _LOCAL_ENV = (
@@ -26,29 +25,6 @@ _LOCAL_ENV = (
     "VLLM_NIXL_SIDE_CHANNEL_PORT",
     "VLLM_CPU_OMP_THREADS_BIND",
 )
-
-
-@dataclass(frozen=True)
-class K8sOptions:
-    """Render-time choices about the cluster (the topology says what runs)."""
-
-    namespace: str | None = None
-    image: str = DEFAULT_IMAGE
-    ec_connector: str = DEFAULT_EC_CONNECTOR
-    gpus_per_node: int | None = None
-    """GPUs one node offers; a role whose tensor_parallel is larger spans nodes (LWS)."""
-    model_pvc: str | None = None
-    """PersistentVolumeClaim holding the model (an absolute `model:` path in the pods)."""
-    model_host_path: str | None = None
-    """Node directory holding the model, instead of a PVC."""
-    model_mount: str | None = None
-    """Where the model volume is mounted; default: the directory of `model:`."""
-    hf_cache_pvc: str | None = None
-    """PersistentVolumeClaim for the Hugging Face cache; default for a hub id: an emptyDir."""
-    hf_token_secret: str | None = None
-    """Secret the engines read HF_TOKEN from."""
-    hf_token_key: str = _volumes.HF_TOKEN_KEY
-    """The key in hf_token_secret that holds the token."""
 
 
 @dataclass(frozen=True)

@@ -180,4 +180,4 @@ def test_engine_env_that_clashes_with_the_volumes_is_refused(env, options, messa
 
 
 def test_the_cli_default_secret_key_is_the_renderers() -> None:
-    assert HF_TOKEN_KEY == volumes.HF_TOKEN_KEY == K8sOptions().hf_token_key
+    assert HF_TOKEN_KEY == K8sOptions().hf_token_key
