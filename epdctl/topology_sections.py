@@ -138,6 +138,14 @@ class Proxy(BaseModel):
     """Bearer token required on every route but /health."""
     metadata_rewrite: Bool = _PROXY["metadata_rewrite"]
     """Replace media by E's `*_embeds` metadata so P/PD skip preprocessing (where supported)."""
+    client_uuids: Bool = _PROXY["client_uuids"]
+    """Honour a media part's client-supplied `uuid` as its cache key (default): the proxy
+    rewrites it into a key space of its own, so it only ever matches the same client uuid,
+    never an item keyed by its content. `false` ignores client uuids and keys every item by
+    its content, which a proxy shared by several people wants: there, two clients picking
+    the same uuid for different images would get each other's answers. On by default: it is
+    vLLM's own meaning of `uuid`, and the only key an item without fetchable bytes (a
+    `file:` URL) can have, which Mooncake requires."""
     encode_timeout: Seconds = _PROXY["encode_timeout_s"]
     """Deadline for an encoder's answer to one media item."""
     prefill_timeout: Seconds = _PROXY["prefill_timeout_s"]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from epdctl import cache
-from epdctl.errors import PlanError
+from epdctl.errors import PlanError, TopologyError
 from epdctl.plan import LaunchSpec, Plan, compute_namespace, flag_value, plan
 from epdctl.topology import Topology, load_topology, parse_topology
 
@@ -367,6 +367,19 @@ def test_proxy_options() -> None:
     assert result.proxy.health_url == "http://127.0.0.1:9000/health"
     v6 = _plan(_topology({"prefill_decode": {}}, proxy={"host": "::1"}))
     assert v6.proxy.health_url == "http://[::1]:8000/health"
+
+
+def test_client_uuids_reaches_the_proxy_and_parses_back() -> None:
+    from epdctl.proxy.config import parse_argv
+
+    for given, flag in ((False, "--no-client-uuids"), (True, None), (None, None)):
+        proxy = {} if given is None else {"client_uuids": given}
+        argv = _plan(_topology({"encode": {}, "prefill_decode": {}}, proxy=proxy)).proxy.argv
+        assert argv[:3] == (PY, "-m", "epdctl.proxy")
+        assert (flag in argv) if flag else not any("client-uuids" in a for a in argv)
+        assert parse_argv(argv[3:]).client_uuids is (given is not False)
+    with pytest.raises(TopologyError, match="proxy -> client_uuids: expected true or false"):
+        _topology({"prefill_decode": {}}, proxy={"client_uuids": "no"})
 
 
 def test_plan_spec_lookup_and_shell() -> None:

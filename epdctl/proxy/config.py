@@ -65,6 +65,10 @@ class ProxyConfig:
                              "with Retry-After", is_shown=True)
     metadata_rewrite: bool = knob(True, "--metadata-rewrite", "send PD E's *_embeds metadata "
                                   "instead of the media where the model supports it")
+    client_uuids: bool = knob(True, "--client-uuids", "key media by a client's `uuid` where "
+                              "given (in a key space of its own, so it never aliases a "
+                              "content key); --no-client-uuids ignores them and keys every "
+                              "item by its content, for proxies shared by several people")
     connect_timeout_s: float = knob(5.0, "--connect-timeout",
                                     "seconds to connect to an instance")
     retry_after_s: int = knob(1, "--retry-after", "Retry-After seconds on a 503")

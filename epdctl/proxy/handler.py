@@ -14,7 +14,7 @@ from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoder
 from epdctl.proxy.errors import JSON_TYPE, ProxyError
 from epdctl.proxy.generate import Answer, Generator, StageFailed
-from epdctl.proxy.media import assign_uuids
+from epdctl.proxy.media import assign_uuids, scope_client_uuids
 from epdctl.proxy.metrics import Metrics, outcome_of
 from epdctl.proxy.mooncake import MooncakeRoute
 from epdctl.proxy.routing import (
@@ -163,14 +163,22 @@ class ProxyHandler:
     async def _answer(self, route: str, raw: bytes, trace: Trace) -> Answer:
         body = parse_body(raw, route, self.config.models)
         is_stream = body.get("stream") is True
-        first: dict[str, Any] | bytes = body if self.config.is_split else raw
+        is_scoped = False
+        if route == CHAT:  # before anything reads a uuid: none goes on as the client sent it
+            scoped, by_client = scope_client_uuids(body, self.config.client_uuids)
+            self.metrics.keyed_by["client"].inc(by_client)
+            is_scoped = scoped is not body
+            body = scoped
+        first: dict[str, Any] | bytes = body if self.config.is_split or is_scoped else raw
         second, is_rewritten = first, False
         items = find_media(body) if route == CHAT and self.encoder is not None else []
         if items:
             assert self.encoder is not None
             trace.items = len(items)
-            await assign_uuids(items, self.client, self.config.media_fetch_timeout_s,
-                               self.config.max_body_bytes)
+            by_content = await assign_uuids(items, self.client,
+                                            self.config.media_fetch_timeout_s,
+                                            self.config.max_body_bytes)
+            self.metrics.keyed_by["content"].inc(by_content)
             if self.mooncake is not None:
                 return await self.mooncake.run(route, body, items, is_stream, trace)
             encoded = await self.encoder.run(body, items, trace)

@@ -5,7 +5,15 @@ cap), hashes the bytes, and sends those bytes on to E and PD as a data URL. Hash
 string, as vLLM's example proxy does, would serve stale embeddings when the content behind
 a URL changes; fetching once also means E and PD cannot see two different versions of it.
 An unreachable URL is the client's problem: 400. Other schemes (file:, ...) get no key
-and skip E; PD handles (or rejects) them itself. A client-supplied `uuid` is used as is.
+and skip E; PD handles (or rejects) them itself.
+
+Client-supplied `uuid`s: vLLM uses a part's `uuid` as the item's mm_hash, which keys E's
+store entry, PD's encoder and processor caches and its prefix cache. So no raw client uuid
+goes on to E or PD: `scope_client_uuids` rewrites every one in the body, before anything
+else reads it, into `client_key(uuid)`, a key of its own space (content keys are bare hex;
+client keys start with `client-`), so a client uuid only ever matches the same client uuid
+and can never alias another client's content-keyed item. With `--no-client-uuids` they
+are dropped instead, and every item is keyed by its content.
 """
 
 from __future__ import annotations
@@ -14,10 +22,14 @@ import asyncio
 import base64
 import binascii
 import hashlib
+from typing import Any
 
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.errors import UpstreamError, bad_request
-from epdctl.proxy.routing import MediaItem
+from epdctl.proxy.routing import MediaItem, replace_parts
+
+CLIENT_PREFIX = "client-"
+"""Starts every key made from a client uuid; never in a content key (lower-case hex)."""
 
 
 def content_key(modality: str, data: bytes) -> str:
@@ -26,6 +38,34 @@ def content_key(modality: str, data: bytes) -> str:
     digest.update(b"\0")
     digest.update(data)
     return digest.hexdigest()
+
+
+def client_key(uuid: str) -> str:
+    """The key of a client-supplied uuid: same uuid, same key; never equal to a content key."""
+    return CLIENT_PREFIX + hashlib.sha256(b"epdctl client uuid\0" + uuid.encode()).hexdigest()
+
+
+def scope_client_uuids(body: dict[str, Any], is_honoured: bool) -> tuple[dict[str, Any], int]:
+    """The body with every content part's `uuid` made a client key (or dropped), and how many.
+
+    Every part, not only the media the proxy keys: vLLM reads a `uuid` on any part carrying
+    media or embeddings. An empty uuid counts as none and is dropped. body is not touched.
+    """
+    parts: dict[tuple[int, int], dict[str, Any]] = {}
+    for i, msg in enumerate(body.get("messages") or ()):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or "uuid" not in part or part["uuid"] is None:
+                continue
+            new = {k: v for k, v in part.items() if k != "uuid"}
+            uuid = str(part["uuid"])  # as vLLM reads it
+            if uuid and is_honoured:
+                new["uuid"] = client_key(uuid)
+            parts[(i, j)] = new
+    if not parts:
+        return body, 0
+    counted = sum(1 for new in parts.values() if "uuid" in new)
+    return replace_parts(body, parts), counted
 
 
 def b64decode(text: str, what: str) -> bytes:
@@ -52,9 +92,11 @@ def data_url_bytes(url: str, what: str) -> bytes:
 
 
 async def assign_uuids(items: list[MediaItem], client: Upstream, timeout_s: float,
-                       max_bytes: int) -> None:
-    """Give every item without a client uuid a key from its content bytes (in place)."""
+                       max_bytes: int) -> int:
+    """Give every item without a (scoped) client uuid a key from its content bytes, in
+    place; how many got one."""
     remote = []
+    count = 0
     for n, item in enumerate(items):
         what = f"{item.part_type} #{n}"
         if item.uuid is not None:
@@ -65,8 +107,12 @@ async def assign_uuids(items: list[MediaItem], client: Upstream, timeout_s: floa
             item.uuid = content_key(item.modality, data_url_bytes(item.ref, what))
         elif item.ref.startswith(("http://", "https://")):
             remote.append(_fetch(item, what, client, timeout_s, max_bytes))
+        else:
+            continue
+        count += 1
     if remote:
         await asyncio.gather(*remote)
+    return count
 
 
 async def _fetch(item: MediaItem, what: str, client: Upstream, timeout_s: float,

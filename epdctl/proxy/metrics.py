@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from epdctl.proxy.upstreams import Upstreams
 
 STAGES = ("encode", "prefill", "decode", "total")
+KEYED_BY = ("client", "content")
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 30.0, 60.0, 120.0)
 
@@ -32,6 +33,12 @@ class Metrics:
             "epdctl_proxy_fallbacks",
             "Media sent on to PD raw: encoder failed (encoder) or PD lacked a rewritten "
             "item's entry (rewrite).", ["reason"], registry=registry)
+        keyed_by = Counter(
+            "epdctl_proxy_media_keys",
+            "Media keys the proxy sent on, by source: a client uuid (in its own key space; "
+            "any content part carrying one) or the item's content (media going through E).",
+            ["keyed_by"], registry=registry)
+        self.keyed_by = {name: keyed_by.labels(name) for name in KEYED_BY}
         self.retries = Counter(
             "epdctl_proxy_retries", "Retries on another instance, by stage.", ["stage"],
             registry=registry)

@@ -57,10 +57,11 @@ class MooncakeRoute:
         """Pick PD, encode for it, send; on a retryable failure do it all again elsewhere."""
         unkeyed = [n for n, it in enumerate(items) if it.uuid is None]
         if unkeyed:
+            how = ("give it a `uuid`" if self.config.client_uuids
+                   else "this proxy ignores client uuids")
             raise bad_request(
                 f"media item #{unkeyed[0]} has no content key (only data: and http(s) URLs "
-                "get one): give it a `uuid`, since every item must go through the encoder",
-                "messages")
+                f"get one): {how}, since every item must go through the encoder", "messages")
         should_rewrite = self.config.metadata_rewrite
         avoid: Instance | None = None
         for attempt in range(ATTEMPTS):

@@ -18,7 +18,7 @@ from tests.e2e.topology_run import (
     wait_for,
     write_topology,
 )
-from tests.vllm_harness import Server, chat, image_data_url, make_image
+from tests.vllm_harness import Server, chat, chat_messages, image_data_url, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-llava"
@@ -84,6 +84,38 @@ def test_repeated_image_is_loaded_from_the_store(demo: tuple[TopologyRun, Server
     assert wait_for(lambda: loaded in run.log("pd-0")[pd_start:]), run.log("pd-0")[-3000:]
     assert f"Finish execute for mm hash {key}" not in run.log("pd-0")
     assert f"Finish execute for mm hash {key}" in run.log("encode-0")
+
+
+def test_a_uuid_naming_another_images_content_key_poisons_nothing(
+    demo: tuple[TopologyRun, Server],
+) -> None:
+    """Issue 17: a red image tagged with the blue image's content key, then a plain request
+    for the blue image: it gets the blue image's own answer, and the red one is cached under
+    the client's key, not the blue image's."""
+    import httpx
+
+    from epdctl.proxy.media import client_key, content_key
+
+    run, baseline = demo
+    red, blue = make_image(71), make_image(72)
+    red_url, blue_url = image_data_url(red), image_data_url(blue)
+    blue_key = content_key("image", blue)
+    red_answer = chat(baseline.base_url, baseline.model, image_urls=[red_url])
+    blue_answer = chat(baseline.base_url, baseline.model, image_urls=[blue_url])
+    assert red_answer != blue_answer, "a poisoned answer would not show"
+
+    messages = chat_messages("What is in the image?", [red_url])
+    messages[0]["content"][0]["uuid"] = blue_key
+    reply = httpx.post(f"{run.proxy_url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": messages, "temperature": 0.0, "max_tokens": 16})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == red_answer
+    assert wait_for(lambda: cache_entry(run, client_key(blue_key))), "no entry for the uuid"
+    assert cache_entry(run, blue_key) is None
+
+    assert chat(run.proxy_url, MODEL, image_urls=[blue_url]) == blue_answer
+    assert wait_for(lambda: cache_entry(run, blue_key)), "no entry for the blue image"
+    assert f"Finish execute for mm hash {blue_key}" in run.log("encode-0")
 
 
 def test_logs_show_every_instance(demo: tuple[TopologyRun, Server]) -> None:
