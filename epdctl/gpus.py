@@ -76,3 +76,28 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
     if len(set(entries)) != len(entries):
         raise PlanError(f"CUDA_VISIBLE_DEVICES={outer!r} lists a GPU twice")
     return entries
+
+
+def gpu_names() -> list[str]:
+    """The NVML name of every GPU, by NVML index (for reports: `bench` records them)."""
+    try:
+        import pynvml
+    except ImportError:
+        raise PlanError("NVML: nvidia-ml-py is not installed") from None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise PlanError(f"NVML: {exc}") from None
+    try:
+        names = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+        return names
+    except pynvml.NVMLError as exc:
+        raise PlanError(f"NVML cannot list the GPUs: {exc}") from None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass

@@ -10,6 +10,7 @@ import click
 
 from epdctl import __version__
 from epdctl.cli._app import App
+from epdctl.cli.bench import bench
 from epdctl.cli.cache import cache
 from epdctl.cli.down import down
 from epdctl.cli.logs import logs
@@ -67,7 +68,7 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     ctx.obj = app
 
 
-for command in (up, down, status, logs, cache, verify, render):
+for command in (up, down, status, logs, cache, verify, bench, render):
     cli.add_command(command)
 
 
