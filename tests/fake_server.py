@@ -17,7 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FLAGS = {"--port": int, "--host": str, "--ready-after": float, "--exit-after": float,
-         "--exit-code": int, "--model": str, "--served-model-name": str, "--answer": str}
+         "--exit-code": int, "--model": str, "--served-model-name": str}
 SWITCHES = {"--ignore-sigterm", "--spawn-grandchild", "--shm-file"}
 
 
@@ -45,8 +45,7 @@ def parse(argv: list[str]) -> dict:
     return opts
 
 
-def make_handler(model: str, ready_at: float,
-                 answer: str = "hello from fake") -> type[BaseHTTPRequestHandler]:
+def make_handler(model: str, ready_at: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"  # one request per connection: probes just close
 
@@ -79,7 +78,7 @@ def make_handler(model: str, ready_at: float,
             if not chat and self.path != "/v1/completions":
                 self._json(404, {"error": "not found"})
                 return
-            text = answer
+            text = "hello from fake"
             if body.get("stream"):
                 self._stream(chat, text)
                 return
@@ -137,8 +136,7 @@ def main() -> None:
         threading.Timer(opts["--exit-after"], leave).start()
     ready_at = time.monotonic() + opts["--ready-after"]
     server = ThreadingHTTPServer((opts["--host"], opts["--port"]),
-                                 make_handler(opts["--model"], ready_at,
-                                              opts.get("--answer") or "hello from fake"))
+                                 make_handler(opts["--model"], ready_at))
     print(f"fake: serving {opts['--model']} on {opts['--host']}:{opts['--port']} "
           f"pid {os.getpid()}", flush=True)
     server.serve_forever()

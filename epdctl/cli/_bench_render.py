@@ -71,7 +71,10 @@ class BenchProgress:
         self._stop_status()
 
 
-def results_table(doc: Mapping[str, Any]) -> Table:
+def results_table(doc: Mapping[str, Any], width: int = 80) -> str:
+    """The table as text, as wide as it needs (wider than most terminals: never clipped)."""
+    from rich.console import Console
+
     from epdctl.bench.report import table_rows
 
     rows = table_rows(doc)
@@ -82,7 +85,12 @@ def results_table(doc: Mapping[str, Any]) -> Table:
         table.add_column(header, justify="left" if i < 2 else "right", no_wrap=True)
     for row in rows[1:]:
         table.add_row(*(Text(c) for c in row))
-    return table
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    console = Console(width=max(width, sum(widths) + 2 * len(widths)), no_color=True,
+                      highlight=False)
+    with console.capture() as capture:
+        console.print(table)
+    return capture.get().rstrip("\n")
 
 
 def dry_run(app: App, arms: Sequence[Arm], workload: Workload, as_json: bool) -> None:

@@ -139,8 +139,7 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
-        table = results_table(doc)
-        app.out.print(table, width=max(app.out.width, app.out.measure(table).maximum))
+        app.out.print(results_table(doc, app.out.width), markup=False)
         for v in doc["verdicts"]:
             app.out.print(f"{v['load']}: {v['text']}", markup=False)
     if doc["failed_requests"]:
