@@ -130,3 +130,17 @@ def test_nvml_failing_mid_listing_still_shuts_down(monkeypatch: pytest.MonkeyPat
         visible_gpus({})
     assert str(info.value) == "NVML cannot list the GPUs: GPU is lost"
     assert calls == ["init", "shutdown"]
+
+
+def test_gpu_names_for_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    from epdctl.gpus import gpu_names
+
+    calls = _fake_nvml(monkeypatch, UUIDS[:2])
+    names = {0: b"NVIDIA H200", 1: "NVIDIA H200"}  # bytes from old bindings, str from new
+    monkeypatch.setattr(sys.modules["pynvml"], "nvmlDeviceGetName", names.__getitem__,
+                        raising=False)
+    assert gpu_names() == ["NVIDIA H200", "NVIDIA H200"]
+    assert calls == ["init", "shutdown"]
+    _fake_nvml(monkeypatch, init_error="driver not loaded")
+    with pytest.raises(PlanError, match="NVML: driver not loaded"):
+        gpu_names()

@@ -99,9 +99,16 @@ def dry_run(app: App, arms: Sequence[Arm], workload: Workload, as_json: bool) ->
     from epdctl.run import prepare
 
     docs = []
+    warned: set[str] = set()
+
+    def warn(text: str) -> None:  # once, not once per arm
+        if text not in warned:
+            warned.add(text)
+            app.err.print(Text(text, style="yellow"))
+
     for arm in arms:
         run = prepare(arm.path, app.state_root, is_dry_run=True, topology=arm.topology,
-                      warn=lambda text: app.err.print(Text(text, style="yellow")))
+                      warn=warn)
         commands = []
         for index in range(len(workload.points)):
             dataset = Path(f"<work dir>/datasets/point-{index}.jsonl") \
