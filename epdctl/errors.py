@@ -37,6 +37,10 @@ class VerifyError(EpdctlError):
     """`verify`: an answer differs from the baseline's, or P/PD did not load from the EC store."""
 
 
+class BenchError(EpdctlError):
+    """`bench`: a bad option or workload, a workload run that failed, or arms that disagree."""
+
+
 class StartupError(EpdctlError):
     """An instance exited or missed its ready deadline while starting."""
 

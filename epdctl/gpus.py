@@ -126,3 +126,10 @@ def describe_gpus(environ: Mapping[str, str] | None = None) -> list[GpuInfo]:
                 index = next(i for i, u in enumerate(uuids) if u.startswith(device_id))
                 gpus.append(_describe(nvml, index, device_id))
         return gpus
+
+
+def gpu_names() -> list[str]:
+    """The NVML name of every GPU, by NVML index (for reports: `bench` records them)."""
+    with _nvml() as nvml:
+        return [_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(index)))
+                for index in range(nvml.nvmlDeviceGetCount())]

@@ -159,3 +159,17 @@ def test_describe_gpus_names_and_memory(monkeypatch: pytest.MonkeyPatch) -> None
                                     GpuInfo("MIG-abc", "MIG device")]
     with pytest.raises(PlanError, match="hides all 4"):
         describe_gpus({"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_gpu_names_for_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    from epdctl.gpus import gpu_names
+
+    calls = _fake_nvml(monkeypatch, UUIDS[:2])
+    names = {0: b"NVIDIA H200", 1: "NVIDIA H200"}  # bytes from old bindings, str from new
+    monkeypatch.setattr(sys.modules["pynvml"], "nvmlDeviceGetName", names.__getitem__,
+                        raising=False)
+    assert gpu_names() == ["NVIDIA H200", "NVIDIA H200"]
+    assert calls == ["init", "shutdown"]
+    _fake_nvml(monkeypatch, init_error="driver not loaded")
+    with pytest.raises(PlanError, match="NVML: driver not loaded"):
+        gpu_names()

@@ -10,6 +10,7 @@ import click
 
 from epdctl import __version__
 from epdctl.cli._app import App
+from epdctl.cli.bench import bench
 from epdctl.cli.cache import cache
 from epdctl.cli.doctor import doctor
 from epdctl.cli.down import down
@@ -68,7 +69,7 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     ctx.obj = app
 
 
-for command in (up, down, status, logs, cache, verify, render, doctor):
+for command in (up, down, status, logs, cache, verify, bench, render, doctor):
     cli.add_command(command)
 
 

@@ -1,0 +1,59 @@
+"""plot.png: TTFT p90 and goodput against load, one line per arm (needs matplotlib)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from epdctl.errors import BenchError
+
+MISSING = ("plot.png not written: matplotlib is not installed "
+           "(pip install 'epdctl[bench]')")
+
+
+def has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def series(doc: Mapping[str, Any], figure: str) -> dict[str, list[float | None]]:
+    """arm -> the figure at each load point, in point order."""
+    out: dict[str, list[float | None]] = {a["name"]: [] for a in doc["arms"]}
+    for row in sorted(doc["results"], key=lambda r: r["point"]):
+        out[row["arm"]].append(row["figures"].get(figure))
+    return out
+
+
+def write_plot(doc: Mapping[str, Any], path: Path) -> None:
+    """Two panels over the load points; BenchError (MISSING) without matplotlib."""
+    if not has_matplotlib():
+        raise BenchError(MISSING)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [p["label"] for p in doc["workload"]["points"]]
+    has_slo = bool(doc["workload"]["slo_ms"])
+    right = ("request_goodput", "goodput (req/s within the SLO)") if has_slo else \
+        ("request_throughput", "request throughput (req/s; no --slo given)")
+    panels = (("ttft_p90_ms", "TTFT p90 (ms)"), right)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    x = list(range(len(labels)))
+    for ax, (figure, title) in zip(axes, panels, strict=True):
+        for arm, values in series(doc, figure).items():
+            points = [(i, v) for i, v in zip(x, values, strict=True) if v is not None]
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=arm)
+        ax.set_title(title)
+        ax.set_xticks(x, labels, rotation=15)
+        ax.set_xlabel("load")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"epdctl bench: {', '.join(a['name'] for a in doc['arms'])}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

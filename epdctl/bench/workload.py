@@ -1,0 +1,312 @@
+"""The workload: load points, the `vllm bench serve` argv of each, its result JSON (pure, but
+for the dataset `--repeat` writes)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import random
+import re
+import struct
+import sys
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from epdctl.bench.arms import Arm, image_limit, max_model_len
+from epdctl.errors import BenchError
+
+# Replaces the `vllm bench serve` argv prefix (tests: a stand-in that writes a result).
+BENCH_COMMAND_ENV = "EPDCTL_BENCH_COMMAND"
+SLO_METRICS = ("ttft", "tpot", "e2el")
+PERCENTILES = "50,90,99"
+# Figure -> the key `vllm bench serve --save-result` writes it under.
+RESULT_KEYS = {
+    "completed": "completed", "failed": "failed", "duration_s": "duration",
+    "request_throughput": "request_throughput", "output_throughput": "output_throughput",
+    "request_goodput": "request_goodput",
+    "ttft_p50_ms": "p50_ttft_ms", "ttft_p90_ms": "p90_ttft_ms", "ttft_p99_ms": "p99_ttft_ms",
+    "tpot_mean_ms": "mean_tpot_ms", "tpot_p90_ms": "p90_tpot_ms", "itl_p99_ms": "p99_itl_ms",
+    "e2el_p90_ms": "p90_e2el_ms",
+}
+WORDS = ("image", "describe", "colour", "shape", "light", "corner", "edge", "left", "right",
+         "top", "bottom", "what", "which", "many", "small", "large", "show", "near", "far")
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One load level: requests per second (inf: all at once) and a concurrency cap."""
+
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [] if math.isinf(self.request_rate) else [f"{self.request_rate:g} req/s"]
+        if self.max_concurrency is not None:
+            parts.append(f"concurrency {self.max_concurrency}")
+        return ", ".join(parts) or "all at once"
+
+    def as_json(self) -> dict[str, Any]:
+        rate = "inf" if math.isinf(self.request_rate) else self.request_rate
+        return {"label": self.label, "request_rate": rate,
+                "max_concurrency": self.max_concurrency}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every arm is sent: the same requests in the same order, per load point."""
+
+    points: tuple[LoadPoint, ...]
+    num_prompts: int = 100
+    seed: int = 0
+    images: int = 1
+    """Images per request (random-mm and the generated dataset)."""
+    image_size: tuple[int, int] = (512, 512)
+    """Width and height in pixels."""
+    input_len: int = 128
+    output_len: int = 64
+    repeat: float = 0.0
+    """Fraction of image items that repeat an earlier request's image (generated dataset)."""
+    dataset: Path | None = None
+    dataset_name: str = "custom_image"
+    slo: tuple[tuple[str, float], ...] = ()
+    """(metric, milliseconds) pairs for vLLM's goodput."""
+
+    @property
+    def kind(self) -> str:
+        """random-mm, generated (for --repeat) or dataset (the user's file)."""
+        if self.dataset is not None:
+            return "dataset"
+        return "generated" if self.repeat > 0 else "random-mm"
+
+    def seed_at(self, index: int) -> int:
+        """Each load point its own requests, or later points would meet earlier points'
+        prefix and encoder caches; every arm gets the same ones."""
+        return self.seed + index
+
+    def as_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_prompts": self.num_prompts, "seed": self.seed,
+                "images": self.images, "image_size": list(self.image_size),
+                "input_len": self.input_len, "output_len": self.output_len,
+                "repeat": self.repeat, "dataset": str(self.dataset) if self.dataset else None,
+                "dataset_name": self.dataset_name if self.dataset else None,
+                "slo_ms": dict(self.slo), "points": [p.as_json() for p in self.points]}
+
+
+def parse_list(text: str | None, what: str, kind: type) -> list[Any]:
+    """`1,2,inf` -> numbers > 0 (`inf` only for rates)."""
+    if text is None:
+        return []
+    values = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            value = kind(part)
+        except ValueError:
+            value = None
+        if value is None or not value > 0 or (kind is int and math.isinf(value)):
+            raise BenchError(f"{what}: expected a comma-separated list of numbers above 0, "
+                             f"got {text!r}")
+        values.append(value)
+    return values
+
+
+def load_points(rates: Sequence[float], concurrencies: Sequence[int]) -> tuple[LoadPoint, ...]:
+    """The sweep: over the list with more than one value; the other one is fixed."""
+    if len(rates) > 1 and len(concurrencies) > 1:
+        raise BenchError("sweep one of --request-rate and --max-concurrency; give the other "
+                         "one value")
+    if not rates and not concurrencies:
+        concurrencies = [1, 4, 16]
+    if len(rates) > 1 or not concurrencies:
+        cap = concurrencies[0] if concurrencies else None
+        return tuple(LoadPoint(r, cap) for r in rates)
+    rate = rates[0] if rates else math.inf
+    return tuple(LoadPoint(rate, c) for c in concurrencies)
+
+
+def parse_slo(text: str | None) -> tuple[tuple[str, float], ...]:
+    """`ttft=500,tpot=50ms` or `e2el=2s` -> ((metric, ms), ...)."""
+    if not text:
+        return ()
+    slo = []
+    for part in text.split(","):
+        key, _, value = part.strip().partition("=")
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(ms|s)?", value.strip())
+        if key not in SLO_METRICS or not match or float(match[1]) <= 0:
+            raise BenchError(f"--slo: expected METRIC=TIME pairs (metrics {', '.join(SLO_METRICS)}"
+                             f"; 500 or 500ms or 0.5s), got {part.strip()!r}")
+        slo.append((key, float(match[1]) * (1000.0 if match[2] == "s" else 1.0)))
+    return tuple(slo)
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """`512` or `640x480` (width x height) -> (width, height)."""
+    match = re.fullmatch(r"(\d+)(?:x(\d+))?", text.strip())
+    if not match or int(match[1]) < 1 or (match[2] and int(match[2]) < 1):
+        raise BenchError(f"--image-size: expected PIXELS or WIDTHxHEIGHT, got {text!r}")
+    return int(match[1]), int(match[2] or match[1])
+
+
+def check(arms: Sequence[Arm], workload: Workload) -> None:
+    """Refuse a workload an arm cannot serve, before anything starts."""
+    images = workload.images if workload.kind != "dataset" else dataset_images(workload)
+    for arm in arms:
+        limit = image_limit(arm.topology)
+        if images is not None and limit is not None and images > limit:
+            raise BenchError(f"the workload sends {images} image(s) per request; `{arm.name}` "
+                             f"accepts at most {limit} (--limit-mm-per-prompt)")
+        length = max_model_len(arm.topology)
+        need = workload.input_len + workload.output_len
+        if workload.kind != "dataset" and length is not None and need > length:
+            raise BenchError(f"--input-len {workload.input_len} + --output-len "
+                             f"{workload.output_len} is more than `{arm.name}`'s "
+                             f"--max-model-len {length}")
+
+
+def dataset_images(workload: Workload) -> int | None:
+    """The most images one request of a custom_image JSONL file has (None: not one)."""
+    path = workload.dataset
+    if path is None or workload.dataset_name != "custom_image" or path.suffix != ".jsonl":
+        return None
+    most = 0
+    try:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                item = json.loads(line)
+                parts = item.get("content") or []
+                count = len(item.get("image_files") or []) + sum(
+                    1 for p in parts if isinstance(p, dict) and p.get("type") != "text")
+                most = max(most, count)
+    except (OSError, ValueError, AttributeError) as exc:
+        raise BenchError(f"--dataset {path}: cannot read it as JSON lines: {exc}") from None
+    return most
+
+
+def bench_command(arm: Arm, environ: dict[str, str] | None = None) -> list[str]:
+    """`vllm bench serve` of the arm's engine (the CPU build's wrapper on `device: cpu`)."""
+    import os
+    import shlex
+
+    override = (environ if environ is not None else os.environ).get(BENCH_COMMAND_ENV)
+    if override:
+        return shlex.split(override)
+    command = arm.topology.engine.command
+    if command and command[-1] == "serve":
+        return [*command[:-1], "bench", "serve"]
+    if arm.topology.device == "cpu":
+        return [sys.executable, "-m", "epdctl.engines.vllm_cpu", "bench", "serve"]
+    return ["vllm", "bench", "serve"]
+
+
+def argv(command: Sequence[str], workload: Workload, index: int, *, url: str, model: str,
+         served_model_name: str, result_dir: Path, result_name: str,
+         dataset: Path | None = None) -> list[str]:
+    """The `vllm bench serve` command line of load point `index` against one arm."""
+    point = workload.points[index]
+    rate = "inf" if math.isinf(point.request_rate) else f"{point.request_rate:g}"
+    args = [*command, "--backend", "openai-chat", "--base-url", url,
+            "--endpoint", "/v1/chat/completions", "--model", model,
+            "--served-model-name", served_model_name,
+            "--num-prompts", str(workload.num_prompts), "--seed", str(workload.seed_at(index)),
+            "--request-rate", rate]
+    if point.max_concurrency is not None:
+        args += ["--max-concurrency", str(point.max_concurrency)]
+    args += _dataset_args(workload, dataset)
+    args += ["--ignore-eos", "--temperature", "0",
+             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
+             "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name,
+             "--disable-tqdm"]
+    if workload.slo:
+        args += ["--goodput", *(f"{k}:{v:g}" for k, v in workload.slo)]
+    return args
+
+
+def _dataset_args(workload: Workload, dataset: Path | None) -> list[str]:
+    if workload.kind == "random-mm" and workload.images == 0:
+        return ["--dataset-name", "random", "--random-input-len", str(workload.input_len),
+                "--random-output-len", str(workload.output_len)]
+    if workload.kind == "random-mm":
+        width, height = workload.image_size
+        return ["--dataset-name", "random-mm", "--random-input-len", str(workload.input_len),
+                "--random-output-len", str(workload.output_len),
+                "--random-mm-base-items-per-request", str(workload.images),
+                "--random-mm-num-mm-items-range-ratio", "0",
+                "--random-mm-limit-mm-per-prompt",
+                json.dumps({"image": workload.images, "video": 0}),
+                "--random-mm-bucket-config", f"{{({height}, {width}, 1): 1.0}}"]
+    name = "custom_image" if workload.kind == "generated" else workload.dataset_name
+    args = ["--dataset-name", name, "--dataset-path", str(dataset or workload.dataset),
+            "--custom-output-len", str(workload.output_len)]
+    # The generated file's order is what makes a repeat follow its first use.
+    return args + ["--disable-shuffle"] if workload.kind == "generated" else args
+
+
+def parse_result(path: Path) -> dict[str, float | int | None]:
+    """The figures of one `vllm bench serve --save-result` file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"{path}: no `vllm bench serve` result ({exc})") from None
+    if not isinstance(data, dict) or "completed" not in data:
+        raise BenchError(f"{path}: not a `vllm bench serve` result (no `completed`)")
+    figures: dict[str, float | int | None] = {}
+    for name, key in RESULT_KEYS.items():
+        value = data.get(key)
+        figures[name] = value if isinstance(value, int | float) else None
+    if figures["ttft_p50_ms"] is None and isinstance(data.get("median_ttft_ms"), int | float):
+        figures["ttft_p50_ms"] = data["median_ttft_ms"]
+    return figures
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A deterministic RGB PNG; every seed gives other bytes (stdlib, fast enough for 1k^2)."""
+    rng = random.Random(seed)
+    offsets = [rng.randrange(256) for _ in range(3)]
+    row = bytes(((x * 7 + offsets[0]) % 256, (x * 3 + offsets[1]) % 256, offsets[2])[c]
+                for x in range(width) for c in range(3))
+    rows = bytearray()
+    for y in range(height):
+        table = bytes((i + y * 5) % 256 for i in range(256))
+        rows += b"\x00" + row.translate(table)
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body)))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(bytes(rows), 1)) + chunk(b"IEND", b""))
+
+
+def write_dataset(workload: Workload, index: int, path: Path) -> dict[str, int]:
+    """The `--repeat` dataset of load point `index` (vLLM's custom_image JSON lines): each
+    image item is new or, for a `repeat` fraction of them, an earlier request's image."""
+    rng = random.Random(workload.seed_at(index))
+    width, height = workload.image_size
+    total = workload.num_prompts * workload.images
+    wanted = min(round(workload.repeat * total), max(total - 1, 0))
+    repeats_at = set(rng.sample(range(1, total), wanted)) if wanted else set()
+    pool: list[str] = []
+    repeated = 0
+    lines = []
+    for request in range(workload.num_prompts):
+        urls: list[str] = []
+        for item in range(workload.images):
+            earlier = [u for u in pool if u not in urls]
+            if request * workload.images + item in repeats_at and earlier:
+                urls.append(rng.choice(earlier))
+                repeated += 1
+                continue
+            data = png(width, height, workload.seed_at(index) * 1_000_003 + len(pool))
+            pool.append("data:image/png;base64," + base64.b64encode(data).decode())
+            urls.append(pool[-1])
+        words = " ".join(rng.choice(WORDS) for _ in range(workload.input_len))
+        lines.append(json.dumps({"prompt": f"{request}: {words}", "image_files": urls}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return {"requests": workload.num_prompts, "images": total, "distinct_images": len(pool),
+            "repeated_images": repeated}

@@ -1,0 +1,151 @@
+"""`epdctl bench`: does EPD pay off here? One workload against the topology and a baseline."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from epdctl.cli._app import App, pass_app
+from epdctl.readiness import STARTUP_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from epdctl.bench.arms import Arm
+    from epdctl.bench.workload import Workload
+
+
+def _workload(opts: dict[str, Any]) -> Workload:
+    from epdctl.bench.workload import (
+        Workload,
+        load_points,
+        parse_image_size,
+        parse_list,
+        parse_slo,
+    )
+    from epdctl.errors import BenchError
+
+    repeat, dataset = opts["repeat"], opts["dataset"]
+    if not 0 <= repeat < 1:
+        raise BenchError(f"--repeat: expected a fraction from 0 to below 1, got {repeat:g}")
+    if repeat and (dataset is not None or opts["images"] == 0):
+        raise BenchError("--repeat needs images (--images 1 or more) and no --dataset")
+    if dataset is not None and not dataset.is_file():
+        raise BenchError(f"--dataset {dataset}: no such file")
+    points = load_points(parse_list(opts["rates"], "--request-rate", float),
+                         parse_list(opts["concurrency"], "--max-concurrency", int))
+    return Workload(points=points, num_prompts=opts["num_prompts"], seed=opts["seed"],
+                    images=opts["images"], image_size=parse_image_size(opts["image_size"]),
+                    input_len=opts["input_len"], output_len=opts["output_len"], repeat=repeat,
+                    dataset=dataset.absolute() if dataset else None,
+                    dataset_name=opts["dataset_name"], slo=parse_slo(opts["slo"]))
+
+
+def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...]) -> list[Arm]:
+    from epdctl.bench.arms import derive_arms
+    from epdctl.errors import AlreadyRunningError
+    from epdctl.state import StateDir
+    from epdctl.topology import load_topology
+
+    topology = load_topology(topology_path)
+    others = [(p, load_topology(p)) for p in extra]
+    arms = derive_arms(topology, topology_path, baseline, others)  # type: ignore[arg-type]
+    for arm in arms:
+        if StateDir(app.state_dir(arm.topology.name)).is_running():
+            raise AlreadyRunningError(
+                f"`{arm.topology.name}` is running; bench starts every arm itself: "
+                f"`epdctl down --name {arm.topology.name}` first")
+    return arms
+
+
+@click.command()
+@click.argument("topology_path", metavar="TOPOLOGY", type=click.Path(path_type=Path))
+@click.option("--baseline", type=click.Choice(["aggregated", "tp", "none"]),
+              default="aggregated", show_default=True,
+              help="aggregated: no encoder, its devices as PD replicas; tp: one instance over "
+              "all devices; none: only the topology and --arm files.")
+@click.option("--arm", "extra", multiple=True, type=click.Path(path_type=Path),
+              metavar="FILE", help="Another topology of the same model (repeatable).")
+@click.option("--request-rate", "rates", metavar="LIST",
+              help="Requests per second, e.g. 1,2,4 (a sweep) or inf; default inf.")
+@click.option("--max-concurrency", "concurrency", metavar="LIST",
+              help="Requests in flight at most, e.g. 1,4,16 (default when neither is given).")
+@click.option("--num-prompts", type=click.IntRange(1), default=100, show_default=True,
+              help="Requests per load point.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the requests (load point i uses seed + i).")
+@click.option("--images", type=click.IntRange(0), default=1, show_default=True,
+              help="Images per request.")
+@click.option("--image-size", default="512x512", show_default=True,
+              metavar="WxH", help="Image size in pixels.")
+@click.option("--input-len", type=click.IntRange(1), default=128, show_default=True,
+              help="Text tokens per request (about, for the --repeat dataset).")
+@click.option("--output-len", type=click.IntRange(1), default=64, show_default=True,
+              help="Tokens generated per request (EOS ignored).")
+@click.option("--repeat", type=float, default=0.0, show_default=True, metavar="FRACTION",
+              help="Fraction of images that repeat an earlier request's image.")
+@click.option("--dataset", type=click.Path(path_type=Path), metavar="FILE",
+              help="Your own `vllm bench serve` dataset file instead of random images.")
+@click.option("--dataset-name", default="custom_image", show_default=True,
+              help="Its `vllm bench serve --dataset-name`.")
+@click.option("--slo", metavar="ttft=MS,tpot=MS",
+              help="Goodput SLO: requests within it count (vLLM's --goodput).")
+@click.option("--json", "as_json", is_flag=True, help="The whole report as JSON on stdout.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write report.json, report.md and plot.png (and the raw results) here.")
+@click.option("--dry-run", "is_dry_run", is_flag=True,
+              help="Print each arm's plan and workload commands; start nothing.")
+@click.option("--timeout", "timeout_s", type=float, default=STARTUP_TIMEOUT_S,
+              show_default=True, help="Seconds each arm gets to become ready.")
+@pass_app
+def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
+          as_json: bool, out_dir: Path | None, is_dry_run: bool, timeout_s: float,
+          **opts: Any) -> None:
+    """Compare the topology with aggregated serving on the same devices, under one workload"""
+    from epdctl import __version__
+    from epdctl.bench import report
+    from epdctl.bench.arms import image_limit
+    from epdctl.bench.runner import device_names, greedy_prompts, run_arms
+    from epdctl.bench.workload import check
+    from epdctl.cli._bench_render import BenchProgress, dry_run, results_table, write_out
+    from epdctl.errors import BenchError
+    from epdctl.run import vllm_version
+
+    workload = _workload(opts)
+    arms = _arms(app, topology_path, baseline, extra)
+    check(arms, workload)
+    if is_dry_run:
+        return dry_run(app, arms, workload, as_json)
+    limits = [n for n in (image_limit(a.topology) for a in arms) if n is not None]
+    prompts = greedy_prompts(min(limits) if limits else None)
+    work_dir = (out_dir or app.state_root / "bench" / arms[0].topology.name).absolute()
+    progress = BenchProgress(app)
+    try:
+        runs = run_arms(arms, workload, app.state_root, work_dir, timeout_s=timeout_s,
+                        progress=progress, prompts=prompts)
+    except KeyboardInterrupt:
+        progress.close()
+        app.err.print("Interrupted; every arm is down.", markup=False)
+        sys.exit(130)
+    finally:
+        progress.close()
+    doc = report.build(runs, workload, prompts, epdctl_version=__version__,
+                       vllm_version=vllm_version(), devices=device_names(arms),
+                       command=["epdctl", *sys.argv[1:]], work_dir=str(work_dir))
+    if out_dir is not None:
+        write_out(app, doc, out_dir)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        app.out.print(results_table(doc, app.out.width), markup=False)
+        for v in doc["verdicts"]:
+            app.out.print(f"{v['load']}: {v['text']}", markup=False)
+    if doc["failed_requests"]:
+        app.err.print(f"warning: {doc['failed_requests']} request(s) failed; see the "
+                      f"`vllm bench serve` logs under {work_dir / 'runs'}", markup=False)
+    if not doc["correctness"]["ok"]:
+        bad = doc["correctness"]["mismatches"]
+        names = ", ".join(sorted({f"{m['arm']}: {m['prompt']}" for m in bad}))
+        raise BenchError(f"the greedy subset differs between arms ({names})")

@@ -1,0 +1,206 @@
+"""`epdctl bench` with fake engines, a fake proxy and a fake `vllm bench serve`."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import Result
+
+from tests.conftest import is_running
+
+pytestmark = pytest.mark.timeout(120)
+FAKE_BENCH = shlex.join([sys.executable, str(Path(__file__).parents[1] / "fake_bench.py")])
+SMALL = ("--max-concurrency", "1,2", "--num-prompts", "5", "--input-len", "8", "--output-len", "4")
+
+Bench = Callable[..., Result]
+
+
+@pytest.fixture
+def bench(epdctl: Callable[..., Result]) -> Bench:
+    def invoke(*args: str, command: str = FAKE_BENCH) -> Result:
+        return epdctl("bench", *args, env={"EPDCTL_BENCH_COMMAND": command})
+
+    return invoke
+
+
+def nothing_runs(state_root: Path) -> None:
+    """No state.json and no live recorded process in any run dir."""
+    from epdctl.launcher import scan_marked
+    from epdctl.state import RunState
+
+    for run_dir in state_root.iterdir():
+        if not (run_dir / "last-run.json").exists():
+            continue
+        assert not (run_dir / "state.json").exists(), run_dir
+        assert scan_marked(run_dir) == []
+        state = RunState.model_validate_json((run_dir / "last-run.json").read_text())
+        assert [n for n, r in state.records.items() if is_running(r.pid)] == []
+
+
+def test_both_arms_report_every_figure(bench: Bench, fake_topology: Callable[..., Path],
+                                       state_root: Path, tmp_path: Path) -> None:
+    path = fake_topology()
+    out = tmp_path / "out"
+    result = bench(str(path), *SMALL, "--slo", "ttft=100", "--json", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [(a["name"], a["mode"]) for a in doc["arms"]] == [("epd", "e-pd"),
+                                                             ("aggregated", "pd")]
+    assert [i["name"] for i in doc["arms"][1]["instances"]] == ["pd-0", "pd-1"]
+    assert [(r["arm"], r["load"]) for r in doc["results"]] == [
+        ("epd", "concurrency 1"), ("aggregated", "concurrency 1"),
+        ("epd", "concurrency 2"), ("aggregated", "concurrency 2")]
+    for row in doc["results"]:
+        assert row["figures"]["completed"] == 5 and row["figures"]["request_goodput"] == 1.25
+        assert None not in row["figures"].values()
+        assert "--max-concurrency" in row["argv"] and row["argv"][-2:] == ["--goodput", "ttft:100"]
+    # the fake bench answers TTFT p90 = 60 + seed: both arms got the same seeds
+    assert [r["figures"]["ttft_p90_ms"] for r in doc["results"]] == [60.0, 60.0, 61.0, 61.0]
+    assert doc["results"][0]["store"] is not None and doc["results"][1]["store"] is None
+    assert len(doc["verdicts"]) == 2 and "on par" in doc["verdicts"][0]["text"]
+    assert doc["correctness"]["ok"] is True and len(doc["correctness"]["prompts"]) == 6
+    assert doc["correctness"]["answers"]["aggregated"][0] == "hello from fake"
+    assert doc["vllm_version"] and doc["epdctl_version"] and doc["devices"]
+    assert json.loads((out / "report.json").read_text()) == doc
+    assert "| concurrency 2 | aggregated | 5 | 0 |" in (out / "report.md").read_text()
+    from epdctl.bench.plot import has_matplotlib
+
+    assert (out / "plot.png").exists() == has_matplotlib()
+    assert "[1/2] epd: starting fake (e-pd)" in result.stderr
+    assert "epd: load point 2/2 (concurrency 2): done in" in result.stderr
+    nothing_runs(state_root)
+
+
+def test_the_table_on_the_terminal(bench: Bench, fake_topology: Callable[..., Path]) -> None:
+    result = bench(str(fake_topology()), *SMALL)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:6] == ["load", "arm", "done", "failed", "req/s", "tok/s"]
+    assert "concurrency 1: `epd` and `aggregated` are on par" in result.stdout
+
+
+def test_an_arm_that_dies_while_starting(bench: Bench, fake_topology: Callable[..., Path],
+                                         state_root: Path) -> None:
+    dying = fake_topology("dies", pd_args=("--exit-after", "0", "--exit-code", "7"))
+    result = bench(str(fake_topology()), *SMALL, "--arm", str(dying))
+    assert result.exit_code == 3, result.output
+    assert "arm `dies` did not start" in result.stderr
+    assert "fake: exiting with code 7" in result.stderr  # the log excerpt
+    assert "aggregated: stopping" in result.stderr  # the arms before it ran and went down
+    nothing_runs(state_root)
+
+
+def test_a_greedy_mismatch_fails_the_bench(bench: Bench, fake_topology: Callable[..., Path],
+                                           state_root: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from epdctl.bench import runner
+    from epdctl.verify import ChatAnswer
+
+    other = fake_topology("other")
+    port = yaml.safe_load(other.read_text())["proxy"]["port"]
+    real = runner.send_chat
+
+    def send(url: str, body: dict[str, Any], headers: Mapping[str, str]) -> ChatAnswer:
+        answer = real(url, body, headers)  # the fake proxy's; `other` answers otherwise
+        return ChatAnswer("something else", 0.1) if url.endswith(f":{port}") else answer
+
+    monkeypatch.setattr(runner, "send_chat", send)
+    out = tmp_path / "out"
+    result = bench(str(fake_topology()), *SMALL, "--baseline", "none", "--arm", str(other),
+                   "--out", str(out))
+    assert result.exit_code == 1, result.output
+    assert "Error: the greedy subset differs between arms (other: " in result.stderr
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["ok"] is False and doc["reference"] == "epd"
+    assert {m["got"] for m in doc["correctness"]["mismatches"]} == {"something else"}
+    nothing_runs(state_root)
+
+
+def test_a_failing_workload_names_its_log(bench: Bench, fake_topology: Callable[..., Path],
+                                          state_root: Path) -> None:
+    failing = shlex.join([sys.executable, "-c", "import sys; print('boom'); sys.exit(2)"])
+    result = bench(str(fake_topology()), *SMALL, command=failing)
+    assert result.exit_code == 1
+    assert "`vllm bench serve` against `epd` exited with code 2" in result.stderr
+    assert "  boom" in result.stderr
+    nothing_runs(state_root)
+
+
+def test_ctrl_c_takes_the_running_arm_down(bench: Bench, fake_topology: Callable[..., Path],
+                                          state_root: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    from epdctl.bench import runner
+
+    def interrupted(*args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "_run_bench", interrupted)
+    result = bench(str(fake_topology()), *SMALL)
+    assert result.exit_code == 130
+    assert "epd: stopping" in result.stderr and "Interrupted; every arm is down." in result.stderr
+    nothing_runs(state_root)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--repeat", "1.5"), "--repeat: expected a fraction from 0 to below 1, got 1.5"),
+    (("--repeat", "0.5", "--images", "0"), "--repeat needs images"),
+    (("--slo", "ttft"), "--slo: expected METRIC=TIME pairs"),
+    (("--request-rate", "1,2", "--max-concurrency", "1,2"), "sweep one of --request-rate"),
+    (("--request-rate", "fast"), "--request-rate: expected a comma-separated list"),
+    (("--images", "2"), "the workload sends 2 image(s) per request; `epd` accepts at most 1"),
+    (("--baseline", "tp"), "--baseline tp needs `device: cuda`"),
+    (("--dataset", "/nonexistent.jsonl"), "--dataset /nonexistent.jsonl: no such file"),
+])
+def test_bad_options_are_refused_before_anything_starts(
+        bench: Bench, fake_topology: Callable[..., Path], state_root: Path,
+        args: tuple[str, ...], message: str) -> None:
+    path = fake_topology(pd_args=("--limit-mm-per-prompt", '{"image": 1}'))
+    result = bench(str(path), *args)
+    assert result.exit_code == 1, result.output
+    assert result.stderr == f"Error: {message}" + result.stderr.split(message, 1)[1]
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert list(state_root.iterdir()) == []
+
+
+def test_an_arm_of_another_model_is_refused(bench: Bench, fake_topology: Callable[..., Path],
+                                            state_root: Path, tmp_path: Path) -> None:
+    other = fake_topology("other")
+    other.write_text(other.read_text().replace("model: fake-model", "model: another-model"))
+    result = bench(str(fake_topology()), "--arm", str(other))
+    assert result.exit_code == 1
+    assert f"--arm {other}: model `another-model` is not the topology's `fake-model`" in \
+        result.stderr
+    assert list(state_root.iterdir()) == []
+
+
+def test_dry_run_prints_plans_and_commands(bench: Bench, fake_topology: Callable[..., Path],
+                                           state_root: Path) -> None:
+    result = bench(str(fake_topology()), *SMALL, "--repeat", "0.5", "--dry-run")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "## arm `epd`: fake (e-pd)" in out and "## arm `aggregated`: fake-agg (pd)" in out
+    assert "#   2 prefill+decode instance(s), as many as the topology has" in out
+    assert out.count("# load point 2: concurrency 2") == 2
+    assert "--dataset-name custom_image --dataset-path '<work dir>/datasets/point-1.jsonl'" in out
+    assert list(state_root.iterdir()) == []
+
+
+def test_without_matplotlib_everything_but_the_plot_is_written(
+        bench: Bench, fake_topology: Callable[..., Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from epdctl.bench import plot
+
+    monkeypatch.setattr(plot, "has_matplotlib", lambda: False)
+    out = tmp_path / "out"
+    result = bench(str(fake_topology()), *SMALL, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "plot.png not written: matplotlib is not installed (pip install 'epdctl[bench]')" \
+        in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "runs"]
