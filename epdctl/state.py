@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from epdctl.errors import AlreadyRunningError, EpdctlError, NotRunningError, StateError
 from epdctl.proxy.config import API_KEY_ENV
 from epdctl.spec import HOST, LaunchSpec, Plan
+from epdctl.topology_sections import Cache, Restart
 
 STATE_VERSION = 2
 # Kept by `down` instead of state.json, so `logs` still knows names and their order.
@@ -22,6 +23,7 @@ Phase = Literal["starting", "running", "stopping", "stopped", "failed", "exited"
 InstanceState = Literal["pending", "starting", "ready", "unhealthy", "exited", "backoff"]
 
 _CONFIG = ConfigDict(extra="forbid")
+_RESTART, _CACHE = Restart(), Cache()
 
 
 class SpecModel(BaseModel):
@@ -87,13 +89,14 @@ class Settings(BaseModel):
     """The topology settings the supervisor needs after `up` returned."""
 
     model_config = _CONFIG
-    restart_policy: Literal["no", "on-failure"] = "no"
-    max_restarts: int = 3
-    backoff_s: float = 2.0
-    cache_capacity_bytes: int = 8 << 30
-    cache_ttl_s: float = 1800.0
-    cache_grace_s: float = 120.0
-    keep_cache_on_down: bool = False
+    # Defaults are the topology's own (run.settings_of maps a topology into these).
+    restart_policy: Literal["no", "on-failure"] = _RESTART.policy
+    max_restarts: int = _RESTART.max_restarts
+    backoff_s: float = _RESTART.backoff
+    cache_capacity_bytes: int = _CACHE.capacity
+    cache_ttl_s: float = _CACHE.ttl
+    cache_grace_s: float = _CACHE.grace
+    keep_cache_on_down: bool = _CACHE.keep_on_down
 
 
 class RunState(BaseModel):
