@@ -13,7 +13,8 @@ from epdctl.readiness import is_ready
 from epdctl.spec import LaunchSpec
 
 NAME = "verify-baseline"
-NOT_FOR_BASELINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT",)
+NOT_FOR_BASELINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_EC_SIDE_CHANNEL_HOST",
+                        "VLLM_EC_SIDE_CHANNEL_PORT")
 
 
 def free_port(avoid: Sequence[int] = ()) -> int:
@@ -51,7 +52,7 @@ def baseline_spec(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return replace(spec, name=NAME, role="baseline", ec_config=None, kv_config=None, env=env,
                    port=port, log_path=log_path, gpus=tuple(gpus or ()),
-                   side_channel_port=None, start_after=())
+                   side_channel_port=None, start_after=(), ec_ports=())
 
 
 def parse_gpus(device: str, gpus: str | None) -> list[str] | None:

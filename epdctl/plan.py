@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from epdctl import cache
+from epdctl import ec_connectors as ec_conn
 from epdctl.errors import PlanError
 from epdctl.proxy.config import ProxyConfig
 from epdctl.spec import HOST, PROXY_ROLE, LaunchSpec, Plan
@@ -58,6 +59,9 @@ def compute_namespace(topology: Topology, vllm_version: str) -> str:
         "flags": {flag: canonical_flag(args, flag) for flag in NAMESPACE_FLAGS},
         "format": cache.FORMAT_VERSION,
     }
+    if topology.cache.connector != cache.CONNECTOR_NAME:
+        # Another connector's files must not be taken for ours, or for another one's.
+        material["connector"] = topology.cache.connector
     digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
     return f"{topology.name}-{digest[:12]}"
 
@@ -128,18 +132,10 @@ def _check_sharing(owners: dict[str, list[tuple[str, str, Role]]]) -> None:
         raise PlanError("\n".join([*missing.values(), *too_much]))
 
 
-def ec_transfer_config(topology: Topology, role: str, namespace: str, engine_id: str) -> dict:
-    """The --ec-transfer-config for one instance (our shared-memory connector)."""
-    return {
-        "ec_connector": cache.CONNECTOR_NAME,
-        "ec_connector_module_path": cache.CONNECTOR_MODULE,
-        "ec_role": "ec_producer" if role == "encode" else "ec_consumer",
-        "engine_id": engine_id,
-        "ec_connector_extra_config": {
-            "store_dir": str(topology.cache.dir),
-            "namespace": namespace,
-        },
-    }
+def ec_transfer_config(topology: Topology, role: str, namespace: str, engine_id: str,
+                       ec_ports: Sequence[int] = ()) -> dict:
+    """The --ec-transfer-config for one instance, for the topology's cache.connector."""
+    return ec_conn.transfer_config(topology, role, engine_id, namespace, ec_ports)
 
 
 def kv_transfer_config(topology: Topology, role: str, state_dir: Path) -> dict:
@@ -178,6 +174,21 @@ def _ports(start: int, count: int, taken: set[int], what: str) -> list[int]:
     return ports
 
 
+def _port_blocks(start: int, sizes: Sequence[int], taken: set[int], what: str
+                 ) -> list[tuple[int, ...]]:
+    """Per size, that many consecutive ports from start on (none for 0), skipping taken ones."""
+    blocks: list[tuple[int, ...]] = []
+    port = start
+    for size in sizes:
+        while size and any(p in taken for p in range(port, port + size)):
+            port += 1
+        if port + size - 1 > 65535:
+            raise PlanError(f"{what}: {sum(sizes)} port(s) from {start} do not fit below 65536")
+        blocks.append(tuple(range(port, port + size)))
+        port += size
+    return blocks
+
+
 def _cpu_binding(index: int, instances: int, cpu_count: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND: an equal slice of the CPUs per instance.
 
@@ -207,10 +218,17 @@ def plan(
              for r in range(topology.roles[name].replicas)]
     http_ports = _ports(topology.ports.base, len(order), {topology.proxy.port}, "ports -> base")
     kv_count = sum(1 for name, _ in order if name in ("prefill", "decode"))
-    side_ports = iter(_ports(
+    kv_ports = _ports(
         topology.ports.side_channel_base, kv_count, {topology.proxy.port, *http_ports},
         "ports -> side_channel_base",
-    ))
+    )
+    side_ports = iter(kv_ports)
+    # The EC connector's own ports (Mooncake control sockets, ECCPU side channels) follow.
+    has_e = "encode" in topology.roles
+    ec_blocks = _port_blocks(topology.ports.side_channel_base, [
+        ec_conn.port_count(topology.cache.connector, name, topology.roles[name].tensor_parallel)
+        if has_e else 0 for name, _ in order
+    ], {topology.proxy.port, *http_ports, *kv_ports}, "ports -> side_channel_base")
     command = _engine_command(topology, python)
     owners: dict[str, list[tuple[str, str, Role]]] = {}
     last_user: dict[str, str] = {}
@@ -221,8 +239,10 @@ def plan(
         port = http_ports[index]
         env = {**topology.engine.env, **role.env}
         ec = None
-        if "encode" in topology.roles:
-            ec = ec_transfer_config(topology, role_name, namespace, f"{topology.name}-{name}")
+        if has_e:
+            ec = ec_transfer_config(topology, role_name, namespace, f"{topology.name}-{name}",
+                                    ec_blocks[index])
+            env.update(ec_conn.engine_env(topology.cache.connector, role_name, ec_blocks[index]))
         side, kv = None, None
         if role_name in ("prefill", "decode"):
             kv = kv_transfer_config(topology, role_name, state_dir)
@@ -251,13 +271,16 @@ def plan(
             tensor_parallel=role.tensor_parallel,
             gpu_memory_utilization=role.gpu_memory_utilization, ec_config=ec, kv_config=kv,
             env=env, gpus=devices, side_channel_port=side, start_after=tuple(after),
+            ec_ports=ec_blocks[index],
         ))
     _check_sharing(owners)
     proxy = _proxy_spec(topology, state_dir, specs, python)
+    store_dir = topology.cache.dir / namespace
     return Plan(
         name=topology.name, mode=topology.mode, state_dir=state_dir, namespace=namespace,
-        store_dir=topology.cache.dir / namespace, model_name=topology.model_name,
-        instances=tuple(specs), proxy=proxy,
+        store_dir=store_dir, model_name=topology.model_name,
+        instances=tuple(specs), proxy=proxy, ec_connector=topology.cache.connector,
+        notes=tuple(ec_conn.notes(topology, store_dir, specs)),
     )
 
 
@@ -270,6 +293,7 @@ def proxy_config(topology: Topology, instances: Sequence[LaunchSpec]) -> ProxyCo
     for spec in instances:
         key = PROXY_ROLE_FIELD[spec.role]
         knobs[key] = (*knobs.get(key, ()), spec.url)
+    knobs.update(ec_conn.proxy_knobs(instances))
     return ProxyConfig(models=(topology.model_name,), **knobs)
 
 

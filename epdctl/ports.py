@@ -58,6 +58,7 @@ def check_plan_ports(plan: Plan) -> None:
         wanted.append((spec.port, f"`{spec.name}`", HOST))
         if spec.side_channel_port is not None:
             wanted.append((spec.side_channel_port, f"`{spec.name}` (NIXL side channel)", HOST))
+        wanted += [(port, f"`{spec.name}` (EC connector)", HOST) for port in spec.ec_ports]
     wanted.append((plan.proxy.port, f"`{plan.proxy.name}`", plan.proxy.host))
     problems = []
     for port, what, host in wanted:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from epdctl.cache import CONNECTOR_NAME
 from epdctl.errors import (
     AlreadyRunningError,
     EpdctlError,
@@ -147,7 +148,7 @@ def _claim(run: Run) -> tuple[RunState, int]:
     try:
         _refuse_if_running(sdir)
         check_plan_ports(run.plan)
-        if "encode" in run.topology.roles:
+        if "encode" in run.topology.roles and run.plan.ec_connector == CONNECTOR_NAME:
             check_capacity(run.topology.cache.dir, run.topology.cache.capacity)
         state = run.initial_state()
         sdir.write(state)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from epdctl.cache import CONNECTOR_NAME
+
 HOST = "127.0.0.1"
 """Where every engine instance listens, and the address a wildcard-bound proxy is reached at."""
 PROXY_ROLE = "proxy"
@@ -62,6 +64,9 @@ class LaunchSpec:
     side_channel_port: int | None = None
     start_after: tuple[str, ...] = ()
     """Instances that must be ready before this one starts (they share a GPU with it)."""
+    ec_ports: tuple[int, ...] = ()
+    """Ports the EC connector binds (ECMooncakeConnector consumers: one per TP rank from
+    ec_port; ECCPUConnector producers: the side channel)."""
 
     @property
     def is_proxy(self) -> bool:
@@ -112,7 +117,10 @@ class Plan:
     instances: tuple[LaunchSpec, ...]
     """The engines, in start order."""
     proxy: LaunchSpec
+    ec_connector: str = CONNECTOR_NAME
+    """cache.connector: epdctl's store, a vLLM connector's name, or module.path:ClassName."""
     notes: tuple[str, ...] = field(default=())
+    """What `up --dry-run` says beside the commands (how another connector differs)."""
 
     @property
     def specs(self) -> tuple[LaunchSpec, ...]:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from epdctl.cache import CONNECTOR_NAME
 from epdctl.errors import AlreadyRunningError, EpdctlError, NotRunningError, StateError
 from epdctl.proxy.config import API_KEY_ENV
 from epdctl.spec import HOST, LaunchSpec, Plan
@@ -46,6 +47,7 @@ class SpecModel(BaseModel):
     gpus: list[str] = []
     side_channel_port: int | None = None
     start_after: list[str] = []
+    ec_ports: list[int] = []
 
     @classmethod
     def of(cls, spec: LaunchSpec) -> SpecModel:
@@ -110,7 +112,10 @@ class RunState(BaseModel):
     mode: str
     namespace: str
     store_dir: str
+    """The namespace's directory: epdctl's store, or ECExampleConnector's files."""
     model_name: str
+    ec_connector: str = CONNECTOR_NAME
+    """cache.connector (state written before it existed: epdctl's)."""
     specs: list[SpecModel]
     """Engines in start order, the proxy last."""
     settings: Settings = Settings()
@@ -126,8 +131,14 @@ class RunState(BaseModel):
         return cls(
             name=plan.name, topology_path=topology_path, created_at=time.time(), mode=plan.mode,
             namespace=plan.namespace, store_dir=str(plan.store_dir), model_name=plan.model_name,
-            specs=[SpecModel.of(s) for s in plan.specs], settings=settings,
+            ec_connector=plan.ec_connector, specs=[SpecModel.of(s) for s in plan.specs],
+            settings=settings,
         )
+
+    @property
+    def is_our_store(self) -> bool:
+        """Whether the EC connector is epdctl's own shared-memory store."""
+        return self.ec_connector == CONNECTOR_NAME
 
     @property
     def proxy(self) -> SpecModel:

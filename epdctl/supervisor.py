@@ -203,7 +203,7 @@ class Supervisor:
 
     def _janitor(self) -> None:
         now = time.monotonic()
-        if now - self._janitor_at < JANITOR_INTERVAL_S:
+        if now - self._janitor_at < JANITOR_INTERVAL_S or not self.state.is_our_store:
             return
         self._janitor_at = now
         from epdctl.cache.janitor import keep_topology_store

@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from epdctl._topology_file import Problems, format_errors, invalid, read_yaml, show
+from epdctl.ec_connectors import problems as connector_problems
 from epdctl.errors import PlanError
 from epdctl.proxy.config import Mode
 from epdctl.topology_sections import (
@@ -147,7 +148,7 @@ class Topology(BaseModel):
     engine: Engine = Engine()
     """How every instance starts: command, arguments and environment they all get."""
     cache: Cache = Cache()
-    """The shared-memory encoder cache between E and its consumers."""
+    """The encoder cache between E and its consumers: the connector, and epdctl's store."""
     kv: KV = KV()
     """KV transfer from prefill to decode (E|P|D and P|D only)."""
     proxy: Proxy = Proxy()
@@ -185,6 +186,7 @@ class Topology(BaseModel):
     def _check(self) -> Topology:
         lines = self._role_mix()
         lines += _args_problems("engine", self.engine.args)
+        lines += connector_problems(self)
         for name, role in self.roles.items():
             where = f"roles -> {name}"
             if self.device == "cpu":

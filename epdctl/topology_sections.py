@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from epdctl import cache
 from epdctl._topology_file import show
+from epdctl.ec_connectors import check_name as check_connector
 from epdctl.proxy.config import defaults as _proxy_defaults
 
 _SIZE_UNITS = {
@@ -89,10 +90,16 @@ class Engine(BaseModel):
 
 
 class Cache(BaseModel):
-    """The built-in shared-memory EC store."""
+    """The EC transfer between E and its consumers: epdctl's shared-memory store by default."""
 
     model_config = _CONFIG
 
+    connector: Annotated[str, AfterValidator(check_connector)] = cache.CONNECTOR_NAME
+    """The EC connector of every instance: epdctl's store (`EpdctlShmECConnector`), vLLM's
+    `ECExampleConnector` (files under dir), `ECMooncakeConnector` (E|PD on CUDA) or
+    `ECCPUConnector` (CUDA), or `module.path:ClassName` for one of your own."""
+    extra_config: dict[str, Any] = {}
+    """Given to every instance as `ec_connector_extra_config`, over what epdctl plans."""
     dir: Path = Path(cache.DEFAULT_STORE_ROOT)
     """Store root, one sub-directory per namespace; should be on tmpfs. A relative path is
     relative to the topology file."""

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 MAX_TOKENS = 16
 REQUEST_TIMEOUT_S = 300.0
@@ -76,14 +76,56 @@ class CacheUse:
         # Items nobody looked up were not needed; only a miss means work done twice.
         return self.misses == 0
 
+    @property
+    def is_evidence(self) -> bool:
+        """Whether this shows P/PD used E's output."""
+        return self.hits > 0
+
+    @property
+    def shown(self) -> str:
+        return f"{self.verdict} {self.hits}/{self.keys}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "keys": self.keys, "hits": self.hits,
+                "misses": self.misses}
+
+
+@dataclass(frozen=True)
+class FileUse:
+    """ECExampleConnector: how many of a prompt's items E's files hold. P/PD's loads leave
+    no trace there, so a load cannot be seen; a missing file means P/PD encoded it."""
+
+    keys: int
+    saved: int
+
+    @property
+    def verdict(self) -> str:
+        return "saved" if self.saved == self.keys else "missing"
+
+    @property
+    def is_ok(self) -> bool:
+        return self.saved == self.keys
+
+    @property
+    def is_evidence(self) -> bool:
+        return self.saved > 0
+
+    @property
+    def shown(self) -> str:
+        return f"{self.verdict} {self.saved}/{self.keys}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "keys": self.keys, "saved": self.saved}
+
 
 @dataclass(frozen=True)
 class Result:
     prompt: Prompt
     topology: ChatAnswer
     baseline: ChatAnswer
-    cache: CacheUse | None = None
-    """None when the prompt has no media or the topology has no encoder."""
+    cache: CacheUse | FileUse | None = None
+    """None when the prompt has no media, the topology has no encoder, or its connector
+    keeps nothing verify can read."""
 
     @property
     def is_equal(self) -> bool:
@@ -96,9 +138,9 @@ class Result:
 
 
 def is_passed(results: Sequence[Result]) -> bool:
-    """Every prompt ok and, with an encoder, at least one item loaded from the store."""
+    """Every prompt ok and, where the cache is checked, at least one item E's output served."""
     uses = [r.cache for r in results if r.cache is not None]
-    has_hit = not uses or any(u.hits for u in uses)
+    has_hit = not uses or any(u.is_evidence for u in uses)
     return bool(results) and has_hit and all(r.is_ok for r in results)
 
 
@@ -219,6 +261,51 @@ def cache_use(
         sleep(0.1)
 
 
+class Probe(Protocol):
+    """How verify reads the EC connector's side of one prompt: a snapshot before, a use after."""
+
+    def snapshot(self) -> Any: ...
+
+    def use(self, before: Any, keys: set[str]) -> CacheUse | FileUse: ...
+
+
+@dataclass(frozen=True)
+class StoreProbe:
+    """epdctl's store: its per-key hit and miss counters."""
+
+    ns_dir: Path
+
+    def snapshot(self) -> StoreCounters:
+        return StoreCounters.read(self.ns_dir)
+
+    def use(self, before: Any, keys: set[str]) -> CacheUse:
+        return cache_use(self.ns_dir, before, keys)
+
+
+@dataclass(frozen=True)
+class FileProbe:
+    """ECExampleConnector: whether E's file of each item is there."""
+
+    root: Path
+
+    def snapshot(self) -> None:
+        return None
+
+    def use(self, before: Any, keys: set[str]) -> FileUse:
+        from epdctl.cache.example_files import item_file
+
+        return FileUse(len(keys), sum(item_file(self.root, k).is_file() for k in keys))
+
+
+def probe_for(connector: str, ns_dir: Path) -> Probe | None:
+    """What verify can read of a connector's work (None: nothing, e.g. Mooncake pushes)."""
+    from epdctl.ec_connectors import EXAMPLE, OURS
+
+    if connector == OURS:
+        return StoreProbe(ns_dir)
+    return FileProbe(ns_dir) if connector == EXAMPLE else None
+
+
 @dataclass(frozen=True)
 class Target:
     """Where to send a prompt: base URL, model name, headers."""
@@ -229,21 +316,19 @@ class Target:
 
 
 def run_prompts(
-    topology: Target, baseline: Target, ns_dir: Path | None,
+    topology: Target, baseline: Target, probe: Probe | None,
     prompts: Sequence[Prompt] = PROMPTS, *, send: Send | None = None,
     on_result: Callable[[Result], None] = lambda r: None,
 ) -> list[Result]:
-    """Each prompt to the topology, then to the baseline; with the store's deltas if ns_dir."""
+    """Each prompt to the topology, then to the baseline; with what the probe saw, if any."""
     send = send or send_chat
     results = []
     for prompt in prompts:
-        keys = media_keys(prompt) if ns_dir is not None and prompt.images else set()
-        before = StoreCounters.read(ns_dir) if keys and ns_dir is not None else None
+        keys = media_keys(prompt) if probe is not None and prompt.images else set()
+        before = probe.snapshot() if keys and probe is not None else None
         mine = send(topology.url, chat_body(prompt, topology.model), topology.headers)
         theirs = send(baseline.url, chat_body(prompt, baseline.model), baseline.headers)
-        use = None
-        if before is not None and ns_dir is not None:
-            use = cache_use(ns_dir, before, keys)
+        use = probe.use(before, keys) if keys and probe is not None else None
         result = Result(prompt, mine, theirs, use)
         on_result(result)
         results.append(result)
@@ -259,9 +344,7 @@ def report(results: Sequence[Result], **meta: Any) -> dict[str, Any]:
     rows = [{
         "name": r.prompt.name, "images": len(r.prompt.images), "stream": r.prompt.is_streamed,
         "equal": r.is_equal, "ok": r.is_ok,
-        "cache": None if r.cache is None else {
-            "verdict": r.cache.verdict, "keys": r.cache.keys, "hits": r.cache.hits,
-            "misses": r.cache.misses},
+        "cache": None if r.cache is None else r.cache.to_json(),
         "topology": answer(r.topology), "baseline": answer(r.baseline),
     } for r in results]
     return {**meta, "ok": is_passed(results), "prompts": rows}

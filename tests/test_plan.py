@@ -61,12 +61,17 @@ def test_shipped_topology_plans(path: Path) -> None:
         assert spec.health_url == f"http://127.0.0.1:{spec.port}/health"
         assert spec.log_path == STATE / "logs" / f"{spec.name}.log"
         ec = _json_flag(spec, "--ec-transfer-config")
-        if has_e:
+        role = {"ec_role": "ec_producer" if spec.role == "encode" else "ec_consumer",
+                "engine_id": f"{topology.name}-{spec.name}"}
+        if has_e and topology.cache.connector == "ECExampleConnector":
+            assert ec == {"ec_connector": "ECExampleConnector", **role,
+                          "ec_connector_extra_config": {
+                              "shared_storage_path": str(result.store_dir)}}
+        elif has_e:
+            assert topology.cache.connector == cache.CONNECTOR_NAME
             assert ec == {
                 "ec_connector": cache.CONNECTOR_NAME,
-                "ec_connector_module_path": cache.CONNECTOR_MODULE,
-                "ec_role": "ec_producer" if spec.role == "encode" else "ec_consumer",
-                "engine_id": f"{topology.name}-{spec.name}",
+                "ec_connector_module_path": cache.CONNECTOR_MODULE, **role,
                 "ec_connector_extra_config": {"store_dir": str(topology.cache.dir),
                                               "namespace": result.namespace},
             }

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 import epdctl
-from epdctl import cache
 from epdctl._topology_file import read_yaml
+from epdctl.ec_connectors import split
 from epdctl.plan import LaunchSpec, flag_value, plan
 from epdctl.topology import Topology, parse_topology
 
@@ -41,20 +41,40 @@ ROLE = {"encode": ("ec_producer", None), "prefill_decode": ("ec_consumer", None)
         "prefill": ("ec_consumer", "kv_producer"), "decode": ("ec_consumer", "kv_consumer")}
 
 Planned = dict[str, tuple[Topology, LaunchSpec]]
+# ECTransferConfig's defaults (vllm/config/ec_transfer.py) for the fields the helper reports.
+EC_DEFAULTS = {"ec_connector": None, "ec_connector_module_path": None, "engine_id": None,
+               "ec_connector_extra_config": {}, "ec_ip": "127.0.0.1", "ec_port": 14579}
+
+
+# Every other cache.connector, on a shipped topology it can run with: vLLM parses their
+# --ec-transfer-config and resolves the class (the out-of-tree module is imported).
+CONNECTORS = {
+    "mooncake": ("qwen2_5-vl-1e1pd", "ECMooncakeConnector"),
+    "eccpu": ("qwen2_5-vl-1e1p1d", "ECCPUConnector"),
+    "example": ("cpu-epd", "ECExampleConnector"),
+    "oot": ("cpu-demo", "tests.ec_recording:RecordingECConnector"),
+}
 
 
 def _planned(vllm_version: str) -> Planned:
-    """Every engine instance of every shipped topology, by "<file stem>/<instance>"."""
+    """Every engine instance of every shipped topology, by "<file stem>/<instance>", and of
+    each CONNECTORS variant, by "<variant>:<file stem>/<instance>"."""
     specs: Planned = {}
-    for path in SHIPPED:
+    sources = [(path.stem, path, None) for path in SHIPPED]
+    sources += [(f"{key}:{stem}", ROOT / "topologies" / f"{stem}.yaml", connector)
+                for key, (stem, connector) in CONNECTORS.items()]
+    for name, path, connector in sources:
         # Not load_topology: parsing needs no model on disk (CPU topologies name one that
         # a set-up step builds), and the path stays as written.
-        topology = parse_topology(read_yaml(path), str(path))
+        data = read_yaml(path)
+        if connector is not None:
+            data["cache"] = {**(data.get("cache") or {}), "connector": connector}
+        topology = parse_topology(data, str(path))
         gpus = GPUS if topology.device == "cuda" else ()
         result = plan(topology, STATE, visible_gpus=gpus, vllm_version=vllm_version,
                       python=sys.executable, cpu_count=2)
         for spec in result.instances:
-            specs[f"{path.stem}/{spec.name}"] = (topology, spec)
+            specs[f"{name}/{spec.name}"] = (topology, spec)
     return specs
 
 
@@ -102,9 +122,9 @@ def _assert_accepted(topology: Topology, spec: LaunchSpec, facts: dict[str, Any]
         assert ec["role"] == ec_role
         assert (ec["is_producer"], ec["is_consumer"]) == (spec.role == "encode",
                                                          spec.role != "encode")
-        assert ec["fields"] == {k: v for k, v in json.loads(planned_ec).items()
-                                if k in ec["fields"]}
-        assert ec["connector_class"] == cache.CONNECTOR_NAME
+        assert ec["fields"] == {k: json.loads(planned_ec).get(k, default)
+                                for k, default in EC_DEFAULTS.items()}
+        assert ec["connector_class"] == split(topology.cache.connector)[1]
     else:
         assert planned_ec is None and "ec" not in facts
     planned_kv = flag_value(spec.argv, "--kv-transfer-config")

@@ -58,7 +58,7 @@ def _transfer_facts(engine: Any) -> dict[str, Any]:
             "is_consumer": ec.is_ec_consumer,
             "fields": {name: getattr(ec, name) for name in (
                 "ec_connector", "ec_connector_module_path", "engine_id",
-                "ec_connector_extra_config",
+                "ec_connector_extra_config", "ec_ip", "ec_port",
             )},
             "connector_class": ECConnectorFactory.get_connector_class(ec).__name__,
         }

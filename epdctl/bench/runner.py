@@ -106,7 +106,9 @@ def run_arm(arm: Arm, workload: Workload, state_root: Path, work_dir: Path,
         progress.line(f"  {arm.name}: ready at {url}; greedy subset ({len(prompts)} prompts)")
         result.greedy = [send_chat(url, chat_body(p, state.model_name), headers)
                          for p in prompts]
-        ns_dir = Path(state.store_dir) if "encode" in arm.topology.roles else None
+        # Store counters exist for epdctl's own store only (another connector: none shown).
+        is_ours = "encode" in arm.topology.roles and state.is_our_store
+        ns_dir = Path(state.store_dir) if is_ours else None
         for index in range(len(workload.points)):
             result.points.append(_run_point(arm, workload, index, state, work_dir, datasets,
                                             ns_dir, progress, earlier))

@@ -19,8 +19,8 @@ def verify_table(results: Sequence[Result]) -> Table:
         output = Text("equal", "green") if r.is_equal else Text(
             "error" if r.topology.error or r.baseline.error else "DIFFERENT", "red")
         cache = Text("-") if r.cache is None else Text(
-            f"{r.cache.verdict} {r.cache.hits}/{r.cache.keys}",
-            "green" if r.cache.hits and r.cache.is_ok else "" if r.cache.is_ok else "red")
+            r.cache.shown,
+            "green" if r.cache.is_evidence and r.cache.is_ok else "" if r.cache.is_ok else "red")
         table.add_row(Text(r.prompt.name), output, cache,
                       *(Text(f"{a.latency_s * 1000:.0f} ms") for a in (r.topology, r.baseline)))
     return table

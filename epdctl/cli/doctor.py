@@ -53,12 +53,15 @@ def doctor(app: App, ctx: click.Context, topology_path: Path | None, as_json: bo
     plugin        the `epdctl_ec` vllm.general_plugins entry point loads in the
                   engine's Python (checked there, in a subprocess)
     kv-connector  P|D: the KV connector's package imports there (NixlConnector: nixl)
+    ec-connector  cache.connector imports there: Mooncake's or NIXL's package, or your
+                  module.path:ClassName (imported, the class looked up)
     gpus          NVML lists the visible GPUs, names and free memory
     placement     the roles fit them: GPU indices, replicas x tensor_parallel, shared
                   fractions; `device: cpu`: the cores each instance is bound to
     gpu-memory    each GPU has its instances' gpu_memory_utilization free now
                   (vLLM's default, 0.92, where a role sets none)
-    ec-store      cache.dir is writable, on tmpfs, and holds cache.capacity
+    ec-store      cache.dir is writable, on tmpfs, and holds cache.capacity (epdctl's
+                  store; ECExampleConnector: no budget)
     ports         every planned port (instances, NIXL side channels, proxy) is free
     model         a local path holds config.json; a hub id is in the Hugging Face
                   cache (fail under HF_HUB_OFFLINE, else a warning: up downloads it)

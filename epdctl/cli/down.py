@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from epdctl.cli._app import App, pass_app
@@ -48,6 +50,8 @@ def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
     if result.stale:
         app.err.print(f"Not signalled (the pid now belongs to another process): "
                       f"{', '.join(result.stale)}", markup=False)
-    if state is not None and (should_keep_cache or state.settings.keep_cache_on_down):
-        app.err.print(f"Kept the EC store {state.store_dir}", markup=False)
+    if state is not None and (should_keep_cache or state.settings.keep_cache_on_down) \
+            and Path(state.store_dir).exists():
+        what = "EC store" if state.is_our_store else f"{state.ec_connector} files"
+        app.err.print(f"Kept the {what} {state.store_dir}", markup=False)
     app.err.print(f"Logs are kept in {sdir.logs_dir}", markup=False)

@@ -16,6 +16,7 @@ from epdctl.render.options import DEFAULT_IMAGE, HF_TOKEN_KEY
 # routing does not cover P|D, so ECCPUConnector (NIXL pull; the proxy forwards E's params).
 EC_CONNECTOR_E_PD = "ECMooncakeConnector"
 EC_CONNECTOR_E_P_D = "ECCPUConnector"
+NETWORK_CONNECTORS = (EC_CONNECTOR_E_PD, EC_CONNECTOR_E_P_D)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
@@ -66,7 +67,9 @@ def render() -> None:
               help="Container image for engines and proxy; it must include epdctl.")
 @click.option("--ec-connector",
               help=f"vLLM EC connector that moves encoder outputs between pods "
-              f"[default: {EC_CONNECTOR_E_PD} for E|PD, {EC_CONNECTOR_E_P_D} for E|P|D].")
+              f"[default: the topology's cache.connector if it is one of "
+              f"{', '.join(NETWORK_CONNECTORS)}, else {EC_CONNECTOR_E_PD} for E|PD, "
+              f"{EC_CONNECTOR_E_P_D} for E|P|D].")
 @click.option("--gpus-per-node", type=click.IntRange(min=1),
               help="GPUs per node; a role with more tensor_parallel becomes a LeaderWorkerSet "
               "spanning nodes.")
@@ -118,6 +121,8 @@ def k8s(
     # Not load_topology: a model path is the pods', not this machine's, so it is kept as
     # written and need not exist here.
     topology = parse_topology(read_yaml(topology_path), str(topology_path))
+    if ec_connector is None and topology.cache.connector in NETWORK_CONNECTORS:
+        ec_connector = topology.cache.connector  # the topology's, where it crosses nodes
     if ec_connector is None:
         is_split = "prefill" in topology.roles
         ec_connector = EC_CONNECTOR_E_P_D if is_split else EC_CONNECTOR_E_PD

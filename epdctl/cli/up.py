@@ -71,6 +71,8 @@ def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
     if is_dry_run:
         for spec in run.plan.specs:
             app.out.print(f"# {spec.name} ({spec.role})\n{spec.shell()}", markup=False)
+        for note in run.plan.notes:
+            app.out.print(f"# note: {note}", markup=False, soft_wrap=True)
         return
     if is_detached:
         return _detached(app, run, timeout_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from epdctl.spec import LaunchSpec
     from epdctl.state import RunState, StateDir
     from epdctl.topology import Topology
+    from epdctl.verify import Probe, Result
 
 
 def _specs(app: App, topology_path: Path, topology: Topology, sdir: StateDir
@@ -78,7 +80,7 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     from epdctl.run import require_ready
     from epdctl.state import StateDir
     from epdctl.topology import load_topology, require_local_model
-    from epdctl.verify import Target, report, run_prompts
+    from epdctl.verify import Target, probe_for, report, run_prompts
 
     topology = load_topology(topology_path)
     require_local_model(topology)
@@ -111,17 +113,20 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
         mine = Target(proxy_url(state), state.model_name,
                       {"authorization": f"Bearer {key}"} if key else {})
         theirs = Target(baseline_url, model or base.first_model(baseline_url))
-        ns_dir = Path(state.store_dir) if "encode" in topology.roles else None
+        probe = probe_for(state.ec_connector, Path(state.store_dir)) \
+            if "encode" in topology.roles else None
         app.err.print(f"Sending the prompts to {mine.url} and {theirs.url}", markup=False)
-        results = run_prompts(mine, theirs, ns_dir, on_result=lambda r: app.err.print(
+        results = run_prompts(mine, theirs, probe, on_result=lambda r: app.err.print(
             f"  {r.prompt.name}: {'ok' if r.is_ok else 'FAILED'}", markup=False))
     finally:
         if baseline is not None:
             stop_all([baseline[1]])
         if is_started and not should_keep:
             _stop_topology(app, sdir)
+    check = _cache_check(probe, "encode" in topology.roles)
     meta: dict[str, Any] = {
         "name": state.name, "mode": state.mode, "model": state.model_name,
+        "ec_connector": state.ec_connector, "cache_check": check,
         "proxy_url": mine.url, "started_topology": is_started,
         "kept": is_started and should_keep,
         "baseline": {"url": theirs.url, "model": theirs.model,
@@ -138,8 +143,36 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     if bad:
         raise VerifyError(f"{len(bad)} of {len(results)} prompts failed: {', '.join(bad)}")
     if not doc["ok"]:
-        raise VerifyError("no image was loaded from the EC store: P/PD did not use E's output")
+        raise VerifyError("no image was loaded from the EC store: P/PD did not use E's output"
+                          if check == "store" else f"E saved no image file for "
+                          f"{state.ec_connector}: P/PD did not get E's output")
+    line = _cache_line(state, results, check)
+    app.err.print(f"{len(results)} prompts equal to the baseline{line}", markup=False)
+
+
+def _cache_check(probe: Probe | None, has_encoder: bool) -> str | None:
+    """What verify checked of the EC transfer: `store` counters, `files`, or `none`."""
+    from epdctl.verify import FileProbe, StoreProbe
+
+    if not has_encoder:
+        return None
+    if isinstance(probe, StoreProbe):
+        return "store"
+    return "files" if isinstance(probe, FileProbe) else "none"
+
+
+def _cache_line(state: RunState, results: Sequence[Result], check: str | None) -> str:
+    """The end of verify's last line: what the EC transfer check showed."""
     uses = [r.cache for r in results if r.cache is not None]
-    loaded = f"; {sum(u.verdict == 'hit' for u in uses)} of {len(uses)} with images loaded " \
-        "them from the EC store" if uses else ""
-    app.err.print(f"{len(results)} prompts equal to the baseline{loaded}", markup=False)
+    with_images = sum(1 for r in results if r.prompt.images)
+    if check == "none" and with_images:
+        return (f"; EC cache use not verified: {state.ec_connector} keeps nothing epdctl can "
+                "read (equal answers are all this shows)")
+    if check == "files" and uses:
+        return (f"; {sum(u.verdict == 'saved' for u in uses)} of {len(uses)} with images found "
+                f"in {state.ec_connector}'s files (whether P/PD loaded them cannot be seen: "
+                "the connector records no loads)")
+    if not uses:
+        return ""
+    return (f"; {sum(u.verdict == 'hit' for u in uses)} of {len(uses)} with images loaded "
+            "them from the EC store")

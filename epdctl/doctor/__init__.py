@@ -12,12 +12,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from epdctl.cache import CONNECTOR_NAME
 from epdctl.cache.store import DiskUsage
 from epdctl.doctor._check import Check, Completed, Runner, Status, run_command
 from epdctl.doctor._engine import (
+    check_ec_connector,
     check_kv_connector,
     check_plugin,
     check_vllm,
+    ec_module,
     engine_python,
     kv_module,
     probe_environment,
@@ -116,13 +119,17 @@ def run_checks(topology: Topology | None, state_root: Path,
     command = list(engine.command[:-1])  # the engine command, without the model
     env = {**probes.environ, **engine.env}
     connector = kv_connector(topology) if topology is not None else None
-    module = kv_module(connector)
+    ec = topology.cache.connector if topology is not None and "encode" in topology.roles \
+        else None
+    modules = [m for m in (kv_module(connector), ec and ec_module(ec)) if m]
     python = engine_python(command, probes.which)
-    report = probe_environment(python, env, [module] if module else [], probes.run) \
-        if python else None
+    report = probe_environment(python, env, modules, probes.run) if python else None
     checks = [check_vllm(command, env, probes.run, probes.which, probes.vllm_requirement)]
     if topology is not None and "encode" not in topology.roles:
         checks.append(Check("plugin", "skip", "no encode role: the EC connector is not used"))
+    elif ec is not None and ec != CONNECTOR_NAME:
+        checks.append(Check("plugin", "skip", f"cache.connector is {ec}: epdctl's connector "
+                            "plugin is not used"))
     else:
         checks.append(check_plugin(report, command))
     if topology is None:
@@ -131,6 +138,7 @@ def run_checks(topology: Topology | None, state_root: Path,
     return [
         *checks,
         check_kv_connector(connector, report),
+        check_ec_connector(ec, report),
         check_gpus(topology.device, gpus),
         check_placement(topology, placed, gpus, probes.cpu_count),
         check_gpu_memory(topology, None if isinstance(placed, PlanError) else placed, gpus),

@@ -30,10 +30,16 @@ KV_PACKAGES = {
     "LMCacheConnectorV1": ("lmcache", "lmcache"),
     "LMCacheMPConnector": ("lmcache", "lmcache"),
 }
+# The package each vLLM EC connector needs beyond vLLM, and its pip name.
+EC_PACKAGES = {
+    "ECMooncakeConnector": ("mooncake.engine", "mooncake-transfer-engine"),
+    "ECCPUConnector": ("nixl._api", "nixl"),
+}
 _PYTHON = re.compile(r"python[0-9.]*")
 
 # Run by the engine's interpreter: reads package metadata and imports only what it is asked
-# (our plugin module, the KV connector's package), never vLLM.
+# (our plugin module, the connectors' packages; `module:Name` is imported and looked up).
+# vLLM itself only when an out-of-tree connector's module imports it.
 _PROBE = """
 import importlib, importlib.metadata as md, json, sys
 report = {"python": sys.executable, "vllm": None, "plugin": None, "epdctl": None, "modules": {}}
@@ -57,8 +63,11 @@ try:
 except Exception:
     pass
 for name in sys.argv[2:]:
+    module, _, attr = name.partition(":")
     try:
-        importlib.import_module(name)
+        found = importlib.import_module(module)
+        if attr:
+            getattr(found, attr)
         report["modules"][name] = None
     except Exception as exc:
         report["modules"][name] = f"{type(exc).__name__}: {exc}"
@@ -239,3 +248,43 @@ def check_kv_connector(connector: str | None, report: EnvReport | None) -> Check
     return Check("kv-connector", "fail", f"{connector} needs `{module}`, which does not import "
                  f"in {report.python}: {error}",
                  f"`{shlex.quote(report.python)} -m pip install {pip_name}`")
+
+
+def ec_module(connector: str) -> str | None:
+    """What the probe imports for an EC connector: its package, or `module:Class` itself."""
+    from epdctl.ec_connectors import is_custom
+
+    if connector in EC_PACKAGES:
+        return EC_PACKAGES[connector][0]
+    return connector if is_custom(connector) else None
+
+
+def check_ec_connector(connector: str | None, report: EnvReport | None) -> Check:
+    """The topology's EC connector can be imported where the engines run."""
+    from epdctl.ec_connectors import OURS, split
+
+    name = "ec-connector"
+    if connector is None:
+        return Check(name, "skip", "no encode role: the EC connector is not used")
+    if connector == OURS:
+        return Check(name, "skip", f"{OURS}: epdctl's own connector (see `plugin`)")
+    module = ec_module(connector)
+    if module is None:
+        return Check(name, "ok", f"{connector} needs no package beyond vLLM")
+    if report is None or report.error:
+        return Check(name, "warn", f"{connector} needs `{module}`; the engine's Python could "
+                     "not be probed (see `plugin`)")
+    error = report.modules.get(module, "not probed")
+    if connector in EC_PACKAGES:
+        pip_name = EC_PACKAGES[connector][1]
+        if error is None:
+            return Check(name, "ok", f"{connector}: `{module}` imports in {report.python}")
+        return Check(name, "fail", f"{connector} needs `{module}`, which does not import in "
+                     f"{report.python}: {error}",
+                     f"`{shlex.quote(report.python)} -m pip install {pip_name}`")
+    path, cls = split(connector)
+    if error is None:
+        return Check(name, "ok", f"`{path}` imports in {report.python} and has `{cls}`")
+    return Check(name, "fail", f"cache.connector {connector}: {error} (in {report.python})",
+                 f"make `{path}` importable where the engines run (install it, or set "
+                 "PYTHONPATH in engine.env), and check the class name")

@@ -6,8 +6,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from epdctl.cache import CONNECTOR_NAME
 from epdctl.cache.store import DiskUsage, capacity_problem
 from epdctl.doctor._check import Check
+from epdctl.ec_connectors import EXAMPLE
 from epdctl.errors import PlanError
 from epdctl.gpus import GpuInfo
 from epdctl.plan import Plan
@@ -130,6 +132,10 @@ def check_ec_store(topology: Topology | None, disk_usage: DiskUsage,
     """cache.dir (/dev/shm without a topology) is writable, on tmpfs, and holds the budget."""
     if topology is not None and "encode" not in topology.roles:
         return Check("ec-store", "skip", "no encode role: the EC store is not used")
+    connector = topology.cache.connector if topology is not None else None
+    if connector not in (None, CONNECTOR_NAME, EXAMPLE):
+        return Check("ec-store", "skip", f"cache.connector is {connector}: it keeps nothing "
+                     "in cache.dir")
     root = SHM if topology is None else topology.cache.dir
     base = _existing(root)
     if topology is None and not root.is_dir():
@@ -145,12 +151,16 @@ def check_ec_store(topology: Topology | None, disk_usage: DiskUsage,
         detail = (f"{root}: {kind}, {format_bytes(usage.free)} free of "
                   f"{format_bytes(usage.total)}")
         return Check("ec-store", "ok", detail)
-    problem = capacity_problem(root, topology.cache.capacity, disk_usage)
-    if problem:
-        return Check("ec-store", "fail", problem)
     usage = disk_usage(base)
-    detail = (f"{root}: {kind}, {format_bytes(usage.free)} free for a "
-              f"{format_bytes(topology.cache.capacity)} budget")
+    if connector == EXAMPLE:
+        detail = (f"{root}: {kind}, {format_bytes(usage.free)} free ({EXAMPLE}'s files, no "
+                  "budget: they stay until `down`)")
+    else:
+        problem = capacity_problem(root, topology.cache.capacity, disk_usage)
+        if problem:
+            return Check("ec-store", "fail", problem)
+        detail = (f"{root}: {kind}, {format_bytes(usage.free)} free for a "
+                  f"{format_bytes(topology.cache.capacity)} budget")
     if kind != "tmpfs":
         return Check("ec-store", "warn", f"{detail}; not tmpfs, so saves and loads may wait "
                      "on the disk", "set cache.dir to a directory under /dev/shm")
@@ -163,6 +173,7 @@ def check_ports(plan: Plan | None, check: Callable[[Plan], None]) -> Check:
         return Check("ports", "skip", "no plan (see `placement`)")
     ports = [s.port for s in plan.instances]
     ports += [s.side_channel_port for s in plan.instances if s.side_channel_port is not None]
+    ports += [port for s in plan.instances for port in s.ec_ports]
     ports.append(plan.proxy.port)
     try:
         check(plan)

@@ -22,6 +22,8 @@ STARTUP_FAILURES = 180
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 CONFIG_DIR = "/etc/epdctl"
+# Topology fields added after the checksum below was first rendered.
+LATER_CACHE_FIELDS = ("connector", "extra_config")
 
 Obj = dict[str, Any]
 
@@ -122,7 +124,9 @@ def _engine_pod(role: EngineRole, image: str, argv: list[str], env: list[Obj],
 
 def _template(topology: Topology, role: str, pod: Obj, extra: Mapping[str, str] = {}) -> Obj:
     # The checksum changes the pod template when the topology does, so pods roll on apply.
-    digest = hashlib.sha256(topology.model_dump_json().encode()).hexdigest()[:16]
+    # Fields added since count only when set, so an unchanged topology keeps its checksum.
+    later = {"cache": {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set}}
+    digest = hashlib.sha256(topology.model_dump_json(exclude=later).encode()).hexdigest()[:16]
     return {
         "metadata": {"labels": {**labels(topology, role), **extra},
                      "annotations": {"epdctl/topology-sha256": digest}},

@@ -24,6 +24,8 @@ _LOCAL_ENV = (
     "CUDA_DEVICE_ORDER",
     "VLLM_NIXL_SIDE_CHANNEL_PORT",
     "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_EC_SIDE_CHANNEL_HOST",
+    "VLLM_EC_SIDE_CHANNEL_PORT",
 )
 
 
@@ -59,6 +61,10 @@ def _ec_config(local: Mapping[str, Any], connector: str, topology: Topology
             "ec_enable_nixl": True,
         }
         env.append(m.env_value("VLLM_EC_SIDE_CHANNEL_HOST", "$(POD_IP)"))
+    if connector == topology.cache.connector and topology.cache.extra_config:
+        # The topology's own connector: its extra config goes to the pods as it goes locally.
+        config["ec_connector_extra_config"] = {**config.get("ec_connector_extra_config", {}),
+                                               **topology.cache.extra_config}
     return config, env
 
 
@@ -184,8 +190,11 @@ def _proxy_argv(topology: Topology, instances: Sequence[LaunchSpec], roles: list
     local = proxy_config(topology, instances)
     moved: dict[str, Any] = {role: tuple(urls[u] for u in getattr(local, role))
              for role in ("encode", "pd", "prefill", "decode")}
-    config = replace(local, host="0.0.0.0", port=m.HTTP_PORT, **moved,
-                     **_mooncake(topology, roles, options))
+    # The local plan's Mooncake consumers (cache.connector) are local sockets: the cluster's
+    # EC protocol follows --ec-connector alone.
+    ec: dict[str, Any] = {"ec_protocol": "shared", "ec_consumers": (),
+                          **_mooncake(topology, roles, options)}
+    config = replace(local, host="0.0.0.0", port=m.HTTP_PORT, **moved, **ec)
     return ["python3", "-m", "epdctl.proxy", *config.to_argv()]
 
 

@@ -159,8 +159,9 @@ def test_verify_brings_up_compares_and_stops_everything(epdctl, fake_topology, s
     result = epdctl("verify", str(fake_topology()), "--json", "--timeout", "20")
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert set(doc) == {"name", "mode", "model", "proxy_url", "started_topology", "kept",
-                        "baseline", "ok", "prompts"}
+    assert set(doc) == {"name", "mode", "model", "ec_connector", "cache_check", "proxy_url",
+                        "started_topology", "kept", "baseline", "ok", "prompts"}
+    assert (doc["ec_connector"], doc["cache_check"]) == ("EpdctlShmECConnector", "store")
     assert (doc["name"], doc["mode"], doc["ok"], doc["started_topology"]) == (
         "fake", "e-pd", True, True)
     assert doc["baseline"]["model"] == "fake-model"

@@ -12,8 +12,8 @@ from epdctl.errors import PlanError
 from tests.doctor.fakes import FakeRunner, disk, gpu, topology
 
 ENV_ONLY = ["vllm", "plugin", "gpus", "ec-store"]
-ALL = ["vllm", "plugin", "kv-connector", "gpus", "placement", "gpu-memory", "ec-store",
-       "ports", "model", "combination"]
+ALL = ["vllm", "plugin", "kv-connector", "ec-connector", "gpus", "placement", "gpu-memory",
+       "ec-store", "ports", "model", "combination"]
 
 
 def _runner(modules: dict[str, str | None] | None = None) -> FakeRunner:
@@ -75,7 +75,8 @@ def test_cpu_topology(tmp_path: Path) -> None:
     checks = _by_name(run_checks(topo, tmp_path, _probes(PlanError("none"), _runner())))
     assert list(checks) == ALL
     assert {n: c.status for n, c in checks.items()} == {
-        "vllm": "ok", "plugin": "ok", "kv-connector": "skip", "gpus": "skip", "placement": "ok",
+        "vllm": "ok", "plugin": "ok", "kv-connector": "skip", "ec-connector": "skip",
+        "gpus": "skip", "placement": "ok",
         "gpu-memory": "skip", "ec-store": "ok", "ports": "ok", "model": "ok",
         "combination": "ok"}
 

@@ -55,7 +55,8 @@ def test_cpu_demo_is_ready_to_go_up(tiny_llava: Path, tmp_path: Path) -> None:
     checks = {c["name"]: c for c in doc["checks"]}
     assert doc["ok"] is True
     assert {n: c["status"] for n, c in checks.items()} == {
-        "vllm": "ok", "plugin": "ok", "kv-connector": "skip", "gpus": "skip",
+        "vllm": "ok", "plugin": "ok", "kv-connector": "skip", "ec-connector": "skip",
+        "gpus": "skip",
         "placement": "ok", "gpu-memory": "skip", "ec-store": "ok", "ports": "ok",
         "model": "ok", "combination": "ok"}
     assert checks["vllm"]["detail"] == (
@@ -77,4 +78,4 @@ def test_cpu_demo_without_its_model_names_the_build(tmp_path: Path) -> None:
     assert lines[model + 1].strip().startswith("fix: build it: `")
     assert lines[model + 1].endswith(" -m epdctl.dev.tiny_models llava`")
     assert lines[0].startswith(f"ok    vllm          vLLM {_vllm_version()} ")
-    assert result.stderr.endswith(", 1 fail, 3 skip\nvllm not imported\n")
+    assert result.stderr.endswith(", 1 fail, 4 skip\nvllm not imported\n")

@@ -205,3 +205,30 @@ def test_other_connectors_leave_the_proxy_on_the_shared_protocol() -> None:
     argv = _container(_by(_render(E_PD, ec_connector=CPU_EC), "Deployment")["vl-proxy"])[
         "command"]
     assert "--ec-protocol" not in argv and "--ec-consumer" not in argv
+
+
+def test_a_topology_on_mooncake_locally_renders_with_the_clusters_sockets() -> None:
+    """cache.connector plans local control sockets; the pods and proxy get the cluster's."""
+    local = {**E_PD, "cache": {"connector": "ECMooncakeConnector",
+                               "extra_config": {"mooncake_protocol": "rdma"}}}
+    rendering = _render(local)
+    argv = _container(_by(rendering, "Deployment")["vl-proxy"])["command"]
+    pairs = [argv[i + 1] for i, a in enumerate(argv) if a == "--ec-consumer"]
+    assert pairs == ["http://vl-pd-0.vl-pd:8000=tcp://vl-pd-0.vl-pd:14579",
+                     "http://vl-pd-1.vl-pd:8000=tcp://vl-pd-1.vl-pd:14579"]
+    pd = _container(_by(rendering, "StatefulSet")["vl-pd"])
+    ec = json.loads(_flag(pd["command"], "--ec-transfer-config"))
+    assert (ec["ec_ip"], ec["ec_port"]) == ("$(POD_IP)", 14579)
+    assert ec["ec_connector_extra_config"] == {"mooncake_protocol": "rdma"}  # the topology's
+    other = _container(_by(_render(local, ec_connector=CPU_EC), "Deployment")["vl-proxy"])
+    assert "--ec-protocol" not in other["command"] and "--ec-consumer" not in other["command"]
+
+
+def test_the_cli_defaults_to_the_topologys_network_connector(epdctl, tmp_path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("name: vl\nmodel: m/vl\ncache: {connector: ECCPUConnector}\n"
+                    "roles: {encode: {}, prefill_decode: {}}\n")
+    result = epdctl("render", "k8s", str(path))
+    assert result.exit_code == 0, result.stderr
+    assert '"ec_connector":"ECCPUConnector"' in result.stdout
+    assert "--ec-protocol" not in result.stdout

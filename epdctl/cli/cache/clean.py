@@ -67,6 +67,12 @@ def clean(
     from epdctl.cache.listing import inspect as list_namespaces
 
     view = resolve_store(app, store_dir)
+    if not view.is_ours:
+        from epdctl.cli.cache._foreign import clean_items
+
+        return clean_items(app, view, remove_all=remove_all, older_than_s=older_than_s,
+                           max_bytes=max_bytes, namespace=namespace, is_dry_run=is_dry_run,
+                           as_json=as_json)
     if namespace is not None and namespace not in {
         ns.namespace for ns in list_namespaces(view.root)
     }:

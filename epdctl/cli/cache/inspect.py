@@ -28,6 +28,10 @@ _COLUMNS = ("ENTRIES", "SIZE", "PINNED", "HITS", "MISSES", "SAVES", "LOADS", "OL
 def inspect(app: App, store_dir: Path | None, show_entries: bool, as_json: bool) -> None:
     """Show what the EC store holds and how it was used"""
     view = resolve_store(app, store_dir)
+    if not view.is_ours:
+        from epdctl.cli.cache._foreign import inspect_items
+
+        return inspect_items(app, view, show_entries, as_json)
     doc = collect(view, show_entries)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
@@ -62,6 +66,7 @@ def collect(view: StoreView, show_entries: bool) -> dict[str, Any]:
     except OSError:
         fs = None
     return {
+        "connector": view.connector,
         "store_dir": str(view.root),
         "capacity_bytes": view.capacity_bytes,
         "active_namespace": view.active_namespace,
