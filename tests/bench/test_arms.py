@@ -29,7 +29,7 @@ def placed(topology: Topology) -> dict[str, tuple[str, ...]]:
 
 
 def test_every_shipped_topology_is_covered() -> None:
-    assert len(TOPOLOGIES) == 7
+    assert len(TOPOLOGIES) == 8
 
 
 # name -> (EPD instance -> GPUs, aggregated instance -> GPUs, aggregated TP)
@@ -132,14 +132,14 @@ def test_tp_baseline_is_refused_on_cpu_and_where_heads_do_not_divide(tmp_path: P
 
 
 def test_baseline_none_and_extra_arms() -> None:
-    topology = load(TOPOLOGIES[0])
+    topology = load(next(p for p in TOPOLOGIES if p.name == "cpu-demo.yaml"))
     other = topology.model_copy(update={"name": "other"})
     arms = derive_arms(topology, Path("a.yaml"), "none", [(Path("b.yaml"), other)])
     assert [(a.name, a.kind) for a in arms] == [("epd", "epd"), ("other", "extra")]
 
 
 def test_extra_arm_of_another_model_or_name_is_refused() -> None:
-    topology = load(TOPOLOGIES[0])
+    topology = load(next(p for p in TOPOLOGIES if p.name == "cpu-demo.yaml"))
     other = topology.model_copy(update={"name": "other", "model": "another/model"})
     with pytest.raises(BenchError, match=r"--arm b.yaml: model `another/model` is not"):
         derive_arms(topology, Path("a.yaml"), "aggregated", [(Path("b.yaml"), other)])
