@@ -7,14 +7,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from epdctl.engines.guard import KEY_ENV
 from epdctl.errors import EpdctlError, StartupError
 from epdctl.launcher import Proc, describe_failure, exit_text, spawn
 from epdctl.readiness import is_ready
 from epdctl.spec import LaunchSpec
 
 NAME = "verify-baseline"
+# The internal key too: verify talks to its own baseline directly, without one.
 NOT_FOR_BASELINE_ENV = ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_EC_SIDE_CHANNEL_HOST",
-                        "VLLM_EC_SIDE_CHANNEL_PORT")
+                        "VLLM_EC_SIDE_CHANNEL_PORT", KEY_ENV)
 
 
 def free_port(avoid: Sequence[int] = ()) -> int:
@@ -46,13 +48,13 @@ def baseline_spec(
     spec: LaunchSpec, port: int, log_path: Path, gpus: Sequence[str] | None = None
 ) -> LaunchSpec:
     """An aggregated twin of a PD/prefill instance: same argv and env, no EC/KV transfer
-    (transfer configs are what make an instance a disaggregated one)."""
+    (transfer configs are what make an instance a disaggregated one) and no key."""
     env = {k: v for k, v in spec.env.items() if k not in NOT_FOR_BASELINE_ENV}
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return replace(spec, name=NAME, role="baseline", ec_config=None, kv_config=None, env=env,
                    port=port, log_path=log_path, gpus=tuple(gpus or ()),
-                   side_channel_port=None, start_after=(), ec_ports=())
+                   side_channel_port=None, start_after=(), ec_ports=(), is_key_required=False)
 
 
 def parse_gpus(device: str, gpus: str | None) -> list[str] | None:

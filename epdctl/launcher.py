@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from epdctl.private import open_append
 from epdctl.readiness import probe
 from epdctl.spec import LaunchSpec
 from epdctl.state import Record, process_matches
@@ -69,9 +70,8 @@ def spawn(spec: LaunchSpec, run_dir: Path) -> Proc:
     """Start spec in a new session, output appended to its log file."""
     import psutil
 
-    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **spec.env, MARK_DIR: str(run_dir), MARK_NAME: spec.name}
-    with open(spec.log_path, "ab") as log:
+    with open_append(spec.log_path) as log:  # 0600: a log shows prompts' traces
         stamp = datetime.now().astimezone().isoformat(timespec="seconds")
         log.write(f"--- epdctl start {stamp} {shlex.join(spec.argv)}\n".encode())
         log.flush()

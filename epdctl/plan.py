@@ -12,6 +12,7 @@ from typing import Any
 
 from epdctl import cache
 from epdctl import ec_connectors as ec_conn
+from epdctl.engines.guard import KEY_ENV
 from epdctl.errors import PlanError
 from epdctl.proxy.config import ProxyConfig
 from epdctl.spec import HOST, PROXY_ROLE, LaunchSpec, Plan
@@ -210,8 +211,16 @@ def plan(
     vllm_version: str = "unknown",
     python: str = sys.executable,
     cpu_count: int = 1,
+    internal_key: str | None = None,
 ) -> Plan:
-    """Place the topology: one LaunchSpec per instance plus the proxy. Pure."""
+    """Place the topology: one LaunchSpec per instance plus the proxy. Pure.
+
+    With proxy.api_key the instances require a key too (their VLLM_API_KEY, every route but
+    /health), so nobody goes around the proxy's: `internal_key`, the run's own (the caller
+    makes one per run), is put in each instance's env and the proxy's; without it (render)
+    the env is left to whoever supplies the key.
+    """
+    is_key_required = topology.proxy.api_key is not None
     namespace = compute_namespace(topology, vllm_version)
     gpus = _assign_gpus(topology, visible_gpus) if topology.device == "cuda" else {}
     order = [(name, r) for name in ROLE_NAMES if name in topology.roles
@@ -264,6 +273,8 @@ def plan(
                 last_user[dev] = name
         else:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(index, len(order), cpu_count))
+        if is_key_required and internal_key:
+            env[KEY_ENV] = internal_key
         specs.append(LaunchSpec(
             name=name, role=role_name, command=(*command, topology.model), port=port,
             log_path=state_dir / "logs" / f"{name}.log", args=(*topology.engine.args, *role.args),
@@ -271,10 +282,11 @@ def plan(
             tensor_parallel=role.tensor_parallel,
             gpu_memory_utilization=role.gpu_memory_utilization, ec_config=ec, kv_config=kv,
             env=env, gpus=devices, side_channel_port=side, start_after=tuple(after),
-            ec_ports=ec_blocks[index],
+            ec_ports=ec_blocks[index], is_key_required=is_key_required,
         ))
     _check_sharing(owners)
-    proxy = _proxy_spec(topology, state_dir, specs, python)
+    proxy = _proxy_spec(topology, state_dir, specs, python,
+                        internal_key if is_key_required else None)
     store_dir = topology.cache.dir / namespace
     return Plan(
         name=topology.name, mode=topology.mode, state_dir=state_dir, namespace=namespace,
@@ -284,8 +296,10 @@ def plan(
     )
 
 
-def proxy_config(topology: Topology, instances: Sequence[LaunchSpec]) -> ProxyConfig:
-    """The proxy's knobs: topology.proxy mapped by name (`x` or `x_s`), plus the instances."""
+def proxy_config(topology: Topology, instances: Sequence[LaunchSpec],
+                 upstream_api_key: str | None = None) -> ProxyConfig:
+    """The proxy's knobs: topology.proxy mapped by name (`x` or `x_s`), plus the instances
+    (and the key they require)."""
     names = {f.name for f in dataclasses.fields(ProxyConfig)}
     knobs: dict[str, Any] = {}
     for key, value in topology.proxy.model_dump().items():
@@ -294,13 +308,14 @@ def proxy_config(topology: Topology, instances: Sequence[LaunchSpec]) -> ProxyCo
         key = PROXY_ROLE_FIELD[spec.role]
         knobs[key] = (*knobs.get(key, ()), spec.url)
     knobs.update(ec_conn.proxy_knobs(instances))
-    return ProxyConfig(models=(topology.model_name,), **knobs)
+    return ProxyConfig(models=(topology.model_name,), upstream_api_key=upstream_api_key, **knobs)
 
 
 def _proxy_spec(
-    topology: Topology, state_dir: Path, specs: list[LaunchSpec], python: str
+    topology: Topology, state_dir: Path, specs: list[LaunchSpec], python: str,
+    internal_key: str | None,
 ) -> LaunchSpec:
-    config = proxy_config(topology, specs)
+    config = proxy_config(topology, specs, internal_key)
     return LaunchSpec(
         name=PROXY_NAME, role=PROXY_ROLE,
         command=tuple(python if part == "{python}" else part for part in PROXY_COMMAND),

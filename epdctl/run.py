@@ -7,6 +7,7 @@ this module prints, and nothing here knows about click.
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import signal
 import time
@@ -83,8 +84,10 @@ def make_plan(topology: Topology, state_dir: Path, *, is_dry_run: bool = False,
             if warn is not None:
                 warn(f"warning: {exc}\nplanning as if GPUs 0-{len(gpus) - 1} were visible "
                      "(dry run only)")
+    # A fresh internal key per run (kept in state.json, 0600): see plan().
+    key = secrets.token_urlsafe(32) if topology.proxy.api_key else None
     result = plan(topology, state_dir, visible_gpus=gpus, vllm_version=vllm_version(),
-                  cpu_count=len(os.sched_getaffinity(0)))
+                  cpu_count=len(os.sched_getaffinity(0)), internal_key=key)
     command = os.environ.get(PROXY_COMMAND_ENV)
     if command:
         proxy = replace(result.proxy, command=tuple(shlex.split(command)))
@@ -140,6 +143,7 @@ def _refuse_if_running(sdir: StateDir) -> None:
 
 def _claim(run: Run) -> tuple[RunState, int]:
     """Take the lock, check what must hold before anything starts, write state.json."""
+    from epdctl.cache import make_store_dir
     from epdctl.cache.store import check_capacity
     from epdctl.ports import check_plan_ports
 
@@ -150,6 +154,8 @@ def _claim(run: Run) -> tuple[RunState, int]:
         check_plan_ports(run.plan)
         if "encode" in run.topology.roles and run.plan.ec_connector == CONNECTOR_NAME:
             check_capacity(run.topology.cache.dir, run.topology.cache.capacity)
+            # Made (or checked) before any engine starts: a planted one is refused here.
+            make_store_dir(run.plan.store_dir)
         state = run.initial_state()
         sdir.write(state)
     except BaseException:

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from epdctl.cache import CONNECTOR_NAME
+from epdctl.engines.guard import KEY_ENV, MIDDLEWARE
+from epdctl.proxy.config import API_KEY_ENV, UPSTREAM_KEY_ENV
 
 HOST = "127.0.0.1"
 """Where every engine instance listens, and the address a wildcard-bound proxy is reached at."""
@@ -17,6 +19,9 @@ PROXY_ROLE = "proxy"
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 EC_FLAG = "--ec-transfer-config"
 KV_FLAG = "--kv-transfer-config"
+# What a shown command line prints instead of the secret (the value lives in state.json).
+SECRET_ENV = {KEY_ENV: "<internal>", UPSTREAM_KEY_ENV: "<internal>",
+              API_KEY_ENV: "<proxy.api_key>"}
 
 
 def transfer_args(ec_config: Mapping[str, Any] | None,
@@ -67,6 +72,9 @@ class LaunchSpec:
     ec_ports: tuple[int, ...] = ()
     """Ports the EC connector binds (ECMooncakeConnector consumers: one per TP rank from
     ec_port; ECCPUConnector producers: the side channel)."""
+    is_key_required: bool = False
+    """Answer only requests with the internal key ($VLLM_API_KEY), on every route but
+    /health (epdctl.engines.guard): set when the proxy has an api_key."""
 
     @property
     def is_proxy(self) -> bool:
@@ -82,6 +90,8 @@ class LaunchSpec:
             flags += ["--tensor-parallel-size", str(self.tensor_parallel)]
         if self.gpu_memory_utilization is not None:
             flags += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.is_key_required:
+            flags += ["--middleware", MIDDLEWARE]
         return flags
 
     @property
@@ -99,8 +109,8 @@ class LaunchSpec:
         return f"{self.url}/health"
 
     def shell(self) -> str:
-        """The command as one shell line, env first."""
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        """The command as one shell line, env first; API keys show as placeholders."""
+        env = " ".join(f"{k}={SECRET_ENV.get(k) or shlex.quote(v)}" for k, v in self.env.items())
         return f"{env} {shlex.join(self.argv)}".strip()
 
 

@@ -11,9 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from epdctl import private
 from epdctl.cache import CONNECTOR_NAME
 from epdctl.errors import AlreadyRunningError, EpdctlError, NotRunningError, StateError
-from epdctl.proxy.config import API_KEY_ENV
+from epdctl.proxy.config import API_KEY_ENV, UPSTREAM_KEY_ENV
 from epdctl.spec import HOST, LaunchSpec, Plan
 from epdctl.topology_sections import Cache, Restart
 
@@ -48,6 +49,7 @@ class SpecModel(BaseModel):
     side_channel_port: int | None = None
     start_after: list[str] = []
     ec_ports: list[int] = []
+    is_key_required: bool = False
 
     @classmethod
     def of(cls, spec: LaunchSpec) -> SpecModel:
@@ -154,6 +156,11 @@ class RunState(BaseModel):
         """The key the proxy requires (None: open), for epdctl's own requests through it."""
         return self.proxy.env.get(API_KEY_ENV)
 
+    @property
+    def internal_key(self) -> str | None:
+        """The key the instances require (None: open), for epdctl's own requests to them."""
+        return self.proxy.env.get(UPSTREAM_KEY_ENV)
+
 
 def process_matches(pid: int, create_time: float) -> bool | None:
     """True: that very process is alive; False: gone (or a zombie); None: pid reused (stale)."""
@@ -205,11 +212,19 @@ class StateDir:
             raise StateError(f"{self.state_file} is corrupt ({where}: {first['msg']}); {way_out}"
                              ) from None
 
+    def make(self) -> None:
+        """Create the state dir 0700 (its root too, when missing); StateError if it is not
+        the user's alone. state.json holds the API keys; the logs hold prompts' traces."""
+        self.path.parent.mkdir(mode=private.DIR_MODE, parents=True, exist_ok=True)
+        private.own_dir(self.path)
+        private.check_dir(self.path, "the state dir", "pick another --state-dir", StateError)
+
     def write(self, state: RunState) -> None:
-        """Atomically replace state.json, so a reader never sees half a file."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        """Atomically replace state.json (0600), so a reader never sees half a file."""
+        self.make()
         tmp = self.state_file.with_name(f".state.json.{os.getpid()}.tmp")
-        tmp.write_text(state.model_dump_json(indent=1), encoding="utf-8")
+        with os.fdopen(private.open_file(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
+            f.write(state.model_dump_json(indent=1).encode())
         os.replace(tmp, self.state_file)
 
     def retire(self) -> None:
@@ -242,8 +257,8 @@ class StateDir:
 
     def lock(self) -> int:
         """Take the supervisor lock (non-blocking); AlreadyRunningError if someone holds it."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        self.make()
+        fd = private.open_file(self.lock_file, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

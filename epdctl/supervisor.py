@@ -22,6 +22,7 @@ from epdctl.launcher import (
     spawn,
     stop_all,
 )
+from epdctl.private import open_append
 from epdctl.readiness import STARTUP_TIMEOUT_S, is_ready, judge
 from epdctl.shm import mapped_files, release
 from epdctl.spec import LaunchSpec
@@ -62,6 +63,7 @@ class Supervisor:
         self.slots = [_Slot(s.spec()) for s in state.specs]
         self.signals: list[int] = []
         self._janitor_at = 0.0
+        self._janitor_error = ""  # said once, not every pass
 
     def run(self) -> int:
         """Supervise until a signal (returns 130/143) or a failure (raises, all stopped)."""
@@ -214,7 +216,12 @@ class Supervisor:
                                 capacity_bytes=s.cache_capacity_bytes, ttl_s=s.cache_ttl_s,
                                 grace_s=s.cache_grace_s)
         except Exception as exc:  # the janitor must never take the topology down
-            print(f"epdctl: cache janitor failed: {exc!r}", file=sys.stderr)
+            text = str(exc) if isinstance(exc, EpdctlError) else repr(exc)
+            if text != self._janitor_error:
+                print(f"epdctl: cache janitor failed: {text}", file=sys.stderr, flush=True)
+            self._janitor_error = text
+        else:
+            self._janitor_error = ""
 
     def _fail(self, error: type[EpdctlError], message: str) -> None:
         self.state.phase = "failed" if error is StartupError else "exited"
@@ -246,11 +253,10 @@ def spawn_detached(sdir: StateDir, lock_fd: int, timeout_s: float) -> subprocess
     from epdctl.launcher import MARK_DIR, MARK_NAME
 
     log_path = sdir.logs_dir / "supervisor.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "epdctl.supervisor", str(sdir.path), "--lock-fd", str(lock_fd),
             "--timeout", str(timeout_s)]
     env = {**os.environ, MARK_DIR: str(sdir.path), MARK_NAME: "supervisor"}
-    with open(log_path, "ab") as log:
+    with open_append(log_path) as log:
         # The child inherits our locked open file, so the lock passes to it without a gap.
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,

@@ -100,9 +100,10 @@ class Cache(BaseModel):
     `ECCPUConnector` (CUDA), or `module.path:ClassName` for one of your own."""
     extra_config: dict[str, Any] = {}
     """Given to every instance as `ec_connector_extra_config`, over what epdctl plans."""
-    dir: Path = Path(cache.DEFAULT_STORE_ROOT)
-    """Store root, one sub-directory per namespace; should be on tmpfs. A relative path is
-    relative to the topology file."""
+    dir: Path = Field(default_factory=lambda: Path(cache.default_store_root()))
+    """Store root, one sub-directory per namespace; should be on tmpfs; default
+    `/dev/shm/epdctl-<uid>`. It must be a directory of yours that nobody else can write to
+    (epdctl creates it with mode 0700). A relative path is relative to the topology file."""
     capacity: Bytes = 8 << 30
     """Byte budget the janitor keeps the namespace under (`8GiB`, `512MiB`, or bytes)."""
     ttl: Seconds = 1800.0

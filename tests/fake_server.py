@@ -1,7 +1,9 @@
 """A stdlib stand-in for `vllm serve`: /health, /v1/models, chat and text completions.
 
 Used as `engine.command: [python, tests/fake_server.py]`; vLLM arguments it does not know
-(model, --ec-transfer-config JSON, ...) are accepted and ignored.
+(model, --ec-transfer-config JSON, ...) are accepted and ignored. With VLLM_API_KEY in its
+environment it answers 401 without `authorization: Bearer <key>` on every route but
+/health, as vLLM with epdctl's guard middleware does.
 """
 
 from __future__ import annotations
@@ -46,11 +48,19 @@ def parse(argv: list[str]) -> dict:
 
 
 def make_handler(model: str, ready_at: float) -> type[BaseHTTPRequestHandler]:
+    key = os.environ.get("VLLM_API_KEY")
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"  # one request per connection: probes just close
 
         def log_message(self, fmt: str, *args: object) -> None:
             print(f"fake: {self.command} {self.path}", flush=True)
+
+        def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+            if str(code) == "401":  # worded so that it does not count as a served request
+                print(f"fake: refused {self.path} ({self.command}, 401)", flush=True)
+            else:
+                self.log_message("")
 
         def _json(self, status: int, body: object) -> None:
             data = json.dumps(body).encode()
@@ -60,7 +70,16 @@ def make_handler(model: str, ready_at: float) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def _is_refused(self) -> bool:
+            if key is None or self.path == "/health" or (
+                    self.headers.get("authorization") == f"Bearer {key}"):
+                return False
+            self._json(401, {"error": "Unauthorized"})
+            return True
+
         def do_GET(self) -> None:
+            if self._is_refused():
+                return
             if self.path == "/health":
                 if time.monotonic() >= ready_at:
                     self._json(200, {})
@@ -72,6 +91,8 @@ def make_handler(model: str, ready_at: float) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": "not found"})
 
         def do_POST(self) -> None:
+            if self._is_refused():
+                return
             length = int(self.headers.get("content-length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
             chat = self.path == "/v1/chat/completions"

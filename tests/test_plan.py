@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -112,7 +113,7 @@ def test_1e1pd_exact() -> None:
         return (
             '{"ec_connector":"EpdctlShmECConnector","ec_connector_module_path":"epdctl.connector",'
             f'"ec_role":"{role}","engine_id":"qwen-vl-1e1pd-{name}","ec_connector_extra_config":'
-            f'{{"store_dir":"/dev/shm/epdctl","namespace":"{ns}"}}}}'
+            f'{{"store_dir":"/dev/shm/epdctl-{os.geteuid()}","namespace":"{ns}"}}}}'
         )
 
     assert encode.argv == (

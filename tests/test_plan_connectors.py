@@ -17,7 +17,7 @@ from epdctl.topology import Topology, parse_topology
 
 STATE = Path("/state/demo")
 MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
-STORE = Path("/dev/shm/epdctl")
+STORE = Path(cache.default_store_root())
 OOT = "my_pkg.connectors:MyECConnector"
 MODES = {
     "e-pd": {"encode": {}, "prefill_decode": {"replicas": 2}},

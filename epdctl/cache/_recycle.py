@@ -112,6 +112,8 @@ def _take(path: str, tmp: str, size: int) -> tuple[int, os.stat_result] | None:
     fd = os.open(tmp, os.O_RDWR)  # read too: the writer maps it
     st = os.fstat(fd)
     if st.st_nlink == 1 and st.st_size >= size:
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)  # an older epdctl's entry (0644): the new one is private
         return fd, st
     os.close(fd)
     os.unlink(tmp)  # still pinned (or not ours): the pin keeps the bytes, the pool lets go

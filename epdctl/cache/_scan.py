@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from epdctl.cache import check_store_dir
 from epdctl.cache._format import ENTRY_SUFFIX
 from epdctl.cache.store import ENTRIES
 
@@ -24,13 +25,24 @@ class Entry:
 
 
 def namespace_dirs(root: Path) -> list[Path]:
-    """Namespace directories under a store root (or `root` itself if it is one), sorted."""
+    """Namespace directories under a store root (or `root` itself if it is one), sorted.
+
+    CacheError if the root or one of them is not this user's alone (check_store_dir): the
+    janitor and `cache` commands read and remove files only in directories of their own.
+    """
+    try:
+        check_store_dir(root)
+    except FileNotFoundError:
+        return []
     if (root / ENTRIES).is_dir():
         return [root]
     try:
-        return sorted(d for d in root.iterdir() if d.is_dir() and (d / ENTRIES).is_dir())
+        found = sorted(d for d in root.iterdir() if d.is_dir() and (d / ENTRIES).is_dir())
     except FileNotFoundError:
         return []
+    for ns_dir in found:
+        check_store_dir(ns_dir)
+    return found
 
 
 def scan_entries(ns_dir: Path) -> Iterator[Entry]:

@@ -10,6 +10,7 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
+from epdctl import private
 from epdctl.cache._format import name_part
 from epdctl.cache.store import STATS
 
@@ -56,8 +57,10 @@ class StatsWriter:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             # Not parents=True: a namespace removed by `down` or `clean` stays removed.
-            self.path.parent.mkdir(exist_ok=True)
-            tmp.write_bytes(body)
+            self.path.parent.mkdir(mode=private.DIR_MODE, exist_ok=True)
+            fd = private.open_file(tmp, os.O_WRONLY | os.O_TRUNC)
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
             os.replace(tmp, self.path)
         except OSError:
             pass

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from epdctl.cache import _recycle
+from epdctl import private
+from epdctl.cache import _recycle, make_store_dir
 from epdctl.cache._format import (
     ENTRY_SUFFIX,
     PAGE_BYTES,
@@ -75,21 +76,39 @@ class Store:
         self.tmp = self.root / TMP
         self.free = self.root / _recycle.FREE
         self._spare: str | None = None  # the file this writer last put in the pool
+        self.refused: str | None = None
+        """Why open() refused the store's directories; then nothing is read or written."""
 
     def create(self) -> Store:
-        """Create the namespace's directories (idempotent)."""
+        """Create the namespace's directories 0700 (idempotent); CacheError if the root or
+        the namespace dir is not the user's alone (see make_store_dir)."""
+        make_store_dir(self.root.parent)
+        make_store_dir(self.root)
+        # Inside a directory only we can write to, nobody else can have made these.
         for path in (self.entries, self.pins, self.tmp, self.free, self.root / STATS):
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=private.DIR_MODE, exist_ok=True)
+        return self
+
+    def open(self) -> Store:
+        """create(), except that a refused directory is recorded in `refused` instead of
+        raised: every pin is then a miss and nothing is published (the connector's way, as
+        an engine must not die of it)."""
+        try:
+            self.create()
+        except CacheError as exc:
+            self.refused = str(exc)
         return self
 
     def entry_path(self, key: str) -> str:
         return f"{self.entries}/{key_filename(key)}{ENTRY_SUFFIX}"
 
     def has_entry(self, key: str) -> bool:
-        return os.path.exists(self.entry_path(key))
+        return self.refused is None and os.path.exists(self.entry_path(key))
 
     def touch(self, key: str) -> bool:
         """Mark `key` used now (LRU and grace count from here); False if it is gone."""
+        if self.refused is not None:
+            return False
         try:
             os.utime(self.entry_path(key))
         except FileNotFoundError:
@@ -104,6 +123,8 @@ class Store:
         `data`: the payload bytes, or a function that writes them into the entry (it gets
         the mapped payload, a memoryview of exactly the payload's size).
         """
+        if self.refused is not None:
+            raise CacheError(self.refused)
         header = encode_header(key, self.namespace, dtype, shape, time.time_ns())
         nbytes = payload_nbytes(dtype, shape)
         fill = data if callable(data) else _fill_from(data, nbytes)
@@ -113,10 +134,10 @@ class Store:
         claimed = _recycle.claim(self.free, tmp, total, self._spare)
         if claimed is None:
             try:
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, private.FILE_MODE)
             except FileNotFoundError:
                 self.create()
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, private.FILE_MODE)
             size, st = 0, None
         else:
             fd, st = claimed
@@ -161,6 +182,8 @@ class Store:
         ranks: int = 1,
     ) -> Pin | Miss:
         """Pin `key` for `ranks` readers and validate it; a Miss instead of an error."""
+        if self.refused is not None:
+            return Miss("refused store")
         created = time.time_ns()
         owner = f"{name_part(engine)}.{name_part(request)}.{index}"
         base = f"{self.pins}/{key_filename(key)}.{owner}"
@@ -308,10 +331,10 @@ def _unlink(path: str) -> None:
 
 
 def check_capacity(store_dir: str | os.PathLike[str], capacity_bytes: int) -> None:
-    """CacheError unless `store_dir` is writable and its filesystem can hold the budget."""
-    root = Path(store_dir)
+    """CacheError unless `store_dir` is the user's own, writable, and its filesystem can
+    hold the budget (it is created 0700 when missing)."""
+    root = make_store_dir(store_dir)
     try:
-        root.mkdir(parents=True, exist_ok=True)
         probe = root / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
         probe.write_bytes(b"x")
         probe.unlink()

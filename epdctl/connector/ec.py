@@ -40,9 +40,13 @@ class EpdctlShmECConnector(ECConnectorBase):
         assert cfg is not None  # the base class raised otherwise
         extra = cfg.ec_connector_extra_config
         self._store = Store(
-            extra.get("store_dir", cache.DEFAULT_STORE_ROOT), extra.get("namespace", "default")
-        )
-        self._store.create()
+            extra.get("store_dir", cache.default_store_root()), extra.get("namespace", "default")
+        ).open()
+        if self._store.refused is not None:
+            # Another user's (or a world-writable) directory: never read what may be planted
+            # there, never write into it. The engine keeps serving, encoding locally.
+            logger.error("EC store: %s; not using it: every item is encoded locally and "
+                         "nothing is saved", self._store.refused)
         self._engine_id = str(cfg.engine_id)
         dtype = vllm_config.model_config.dtype
         # Resolved to a torch.dtype by vLLM's config; entries of another dtype are misses.
@@ -64,6 +68,8 @@ class EpdctlShmECConnector(ECConnectorBase):
         self._staging: _io.HostStaging | None = None
 
     def _stat(self, key: str | None = None, **counts: float) -> None:
+        if self._store.refused is not None:
+            return  # the stats files live in the refused directory too
         if self._stats is None:
             side = "scheduler" if self.role == ECConnectorRole.SCHEDULER else f"worker{self._rank}"
             self._stats = StatsWriter(self._store.root, f"{self._engine_id}-{side}")
@@ -126,7 +132,9 @@ class EpdctlShmECConnector(ECConnectorBase):
     ) -> None:
         """Worker side: write the entry (rank 0 of a producer only); never raises."""
         # V1 calls this in every role, also when a consumer encodes locally.
-        if not self.is_producer or self._worker_rank() != 0 or mm_hash not in encoder_cache:
+        if not self.is_producer or self._store.refused is not None:
+            return
+        if self._worker_rank() != 0 or mm_hash not in encoder_cache:
             return
         start = time.perf_counter()
         try:

@@ -13,6 +13,7 @@ from epdctl.ec_connectors import EXAMPLE
 from epdctl.errors import PlanError
 from epdctl.gpus import GpuInfo
 from epdctl.plan import Plan
+from epdctl.private import dir_problem
 from epdctl.topology import Topology
 from epdctl.units import format_bytes
 
@@ -145,6 +146,12 @@ def check_ec_store(topology: Topology | None, disk_usage: DiskUsage,
         return Check("ec-store", "fail", f"{base} is not a directory this user can write to "
                      f"(the store goes to {root})",
                      "fix its permissions, or set cache.dir to a directory you own on tmpfs")
+    if topology is not None and base == root:
+        unsafe = dir_problem(root)  # the rule `up` and the engines refuse a store by
+        if unsafe is not None:
+            why, _, fix = unsafe.partition("; ")
+            return Check("ec-store", "fail", f"{root}: {why}",
+                         f"{fix}, or set cache.dir to a directory of your own")
     kind = fs_type(base) or "an unknown filesystem"
     if topology is None:
         usage = disk_usage(base)

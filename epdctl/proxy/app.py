@@ -41,7 +41,8 @@ def create_app(config: ProxyConfig, client: Any,
     server runner starts as a task (tests drive `proxy.upstreams` directly). Request lines
     go to `request_log` (default: the `epdctl.proxy` logger at INFO).
     """
-    proxy = ProxyHandler(config, wrap(client, config.connect_timeout_s), request_log)
+    upstream = wrap(client, config.connect_timeout_s, config.upstream_api_key)
+    proxy = ProxyHandler(config, upstream, request_log)
     created = int(time.time())
 
     def _json(status: int, obj: object) -> Response:

@@ -31,13 +31,22 @@ class Upstream(Protocol):
     async def probe(self, url: str, timeout_s: float) -> bool: ...
 
 
-def wrap(client: Any, connect_timeout_s: float = 5.0) -> Upstream:
-    """Our interface over a caller-owned client: httpx.AsyncClient or aiohttp.ClientSession."""
+def wrap(client: Any, connect_timeout_s: float = 5.0, api_key: str | None = None) -> Upstream:
+    """Our interface over a caller-owned client: httpx.AsyncClient or aiohttp.ClientSession.
+
+    `api_key`: the instances' internal key, sent with every POST to them (never with a media
+    fetch, which goes elsewhere; /health probes need none).
+    """
     if isinstance(client, httpx.AsyncClient):
-        return HttpxUpstream(client, connect_timeout_s)
+        return HttpxUpstream(client, connect_timeout_s, api_key)
     from epdctl.proxy.client_aiohttp import AiohttpUpstream
 
-    return AiohttpUpstream(client, connect_timeout_s)
+    return AiohttpUpstream(client, connect_timeout_s, api_key)
+
+
+def with_key(headers: Mapping[str, str], auth: str | None) -> Mapping[str, str]:
+    """A sub-request's headers plus the instances' `authorization`, when they require one."""
+    return headers if auth is None else {**headers, "authorization": auth}
 
 
 def _error(exc: Exception, stage: str, base: str) -> UpstreamError:
@@ -77,9 +86,11 @@ class HttpxReply:
 class HttpxUpstream:
     """The default client: one httpx.AsyncClient shared by every request."""
 
-    def __init__(self, client: httpx.AsyncClient, connect_timeout_s: float) -> None:
+    def __init__(self, client: httpx.AsyncClient, connect_timeout_s: float,
+                 api_key: str | None = None) -> None:
         self._client = client
         self._connect_s = connect_timeout_s
+        self._auth = f"Bearer {api_key}" if api_key else None
         self._timeouts: dict[float, httpx.Timeout] = {}
 
     def _timeout(self, read_s: float) -> httpx.Timeout:
@@ -91,7 +102,7 @@ class HttpxUpstream:
     async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
                    read_timeout_s: float, stage: str) -> HttpxReply:
         request = self._client.build_request(
-            "POST", base + path, content=body, headers=headers,
+            "POST", base + path, content=body, headers=with_key(headers, self._auth),
             timeout=self._timeout(read_timeout_s))
         try:
             resp = await self._client.send(request, stream=True)

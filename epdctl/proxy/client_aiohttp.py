@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
 
+from epdctl.proxy.client import with_key
 from epdctl.proxy.errors import UpstreamError
 
 
@@ -56,9 +57,11 @@ class AiohttpReply:
 class AiohttpUpstream:
     """One aiohttp.ClientSession shared by every request."""
 
-    def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float,
+                 api_key: str | None = None) -> None:
         self._session = session
         self._connect_s = connect_timeout_s
+        self._auth = f"Bearer {api_key}" if api_key else None
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def _timeout(self, read_s: float) -> aiohttp.ClientTimeout:
@@ -71,7 +74,8 @@ class AiohttpUpstream:
     async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
                    read_timeout_s: float, stage: str) -> AiohttpReply:
         try:
-            resp = await self._session.post(base + path, data=body, headers=headers,
+            resp = await self._session.post(base + path, data=body,
+                                            headers=with_key(headers, self._auth),
                                             timeout=self._timeout(read_timeout_s))
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _error(exc, stage, base) from exc

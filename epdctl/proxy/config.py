@@ -21,6 +21,8 @@ MODE_LABEL: dict[str, str] = {"epd": "E|P|D", "e-pd": "E|PD", "p-d": "P|D", "pd"
 
 # The API key travels in the environment, never on a command line (`ps` shows those).
 API_KEY_ENV = "EPDCTL_PROXY_API_KEY"
+# The key the instances require (their VLLM_API_KEY): only the proxy, not its clients, has it.
+UPSTREAM_KEY_ENV = "EPDCTL_PROXY_UPSTREAM_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -74,6 +76,9 @@ class ProxyConfig:
     retry_after_s: int = knob(1, "--retry-after", "Retry-After seconds on a 503")
     api_key: str | None = knob(None, None, f"bearer token every route but /health requires "
                                f"(${API_KEY_ENV}; never on the command line)")
+    upstream_api_key: str | None = knob(None, None, f"bearer token the proxy sends the "
+                                        f"instances (${UPSTREAM_KEY_ENV}; never on the "
+                                        "command line)")
     max_body_bytes: int = knob(64 * 1024 * 1024, "--max-body-bytes",
                                "larger request bodies get 413")
     media_fetch_timeout_s: float = knob(10.0, "--media-fetch-timeout", "seconds to fetch an "
@@ -164,8 +169,11 @@ class ProxyConfig:
         return argv
 
     def env(self) -> dict[str, str]:
-        """What the proxy process needs in its environment (the API key)."""
-        return {API_KEY_ENV: self.api_key} if self.api_key else {}
+        """What the proxy process needs in its environment (the API keys)."""
+        env = {API_KEY_ENV: self.api_key} if self.api_key else {}
+        if self.upstream_api_key:
+            env[UPSTREAM_KEY_ENV] = self.upstream_api_key
+        return env
 
 
 def defaults() -> dict[str, Any]:
@@ -219,6 +227,7 @@ def parse_argv(argv: Sequence[str] | None = None, *, prog: str = "python -m epdc
     kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
                               for k, v in values.items() if v is not None}
     kwargs["api_key"] = values.get("api_key") or os.environ.get(API_KEY_ENV) or None
+    kwargs["upstream_api_key"] = os.environ.get(UPSTREAM_KEY_ENV) or None
     try:
         return ProxyConfig(**kwargs)
     except ValueError as exc:

@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from epdctl.proxy.config import API_KEY_ENV
+from epdctl.engines.guard import KEY_ENV
+from epdctl.proxy.config import API_KEY_ENV, UPSTREAM_KEY_ENV
 from epdctl.topology import Topology
 
 HTTP_PORT = 8000
@@ -124,9 +125,11 @@ def _engine_pod(role: EngineRole, image: str, argv: list[str], env: list[Obj],
 
 def _template(topology: Topology, role: str, pod: Obj, extra: Mapping[str, str] = {}) -> Obj:
     # The checksum changes the pod template when the topology does, so pods roll on apply.
-    # Fields added since count only when set, so an unchanged topology keeps its checksum.
-    later = {"cache": {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set}}
-    digest = hashlib.sha256(topology.model_dump_json(exclude=later).encode()).hexdigest()[:16]
+    # Fields added since count only when set, so an unchanged topology keeps its checksum;
+    # not cache.dir: unused in the cluster, and its default differs per user (uid).
+    later = {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set}
+    dump = topology.model_dump_json(exclude={"cache": later | {"dir"}})
+    digest = hashlib.sha256(dump.encode()).hexdigest()[:16]
     return {
         "metadata": {"labels": {**labels(topology, role), **extra},
                      "annotations": {"epdctl/topology-sha256": digest}},
@@ -200,6 +203,19 @@ def config_map(topology: Topology, text: str) -> Obj:
     }
 
 
+def api_key_env(topology: Topology, *names: str) -> list[Obj]:
+    """Env entries that read proxy.api_key from its Secret (none without an api_key)."""
+    if not topology.proxy.api_key:
+        return []
+    ref = {"name": f"{topology.name}-proxy-api-key", "key": "api-key"}
+    return [{"name": name, "valueFrom": {"secretKeyRef": ref}} for name in names]
+
+
+def engine_key_env(topology: Topology) -> list[Obj]:
+    """In the cluster the instances require proxy.api_key itself (no key per run there)."""
+    return api_key_env(topology, KEY_ENV)
+
+
 def api_key_secret(topology: Topology) -> Obj:
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
@@ -211,10 +227,7 @@ def api_key_secret(topology: Topology) -> Obj:
 def proxy_objects(topology: Topology, argv: Sequence[str], image: str) -> list[Obj]:
     """The proxy's Deployment and its ClusterIP Service on proxy.port."""
     name = f"{topology.name}-proxy"
-    env = []
-    if topology.proxy.api_key:
-        ref = {"name": f"{topology.name}-proxy-api-key", "key": "api-key"}
-        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
+    env = api_key_env(topology, API_KEY_ENV, UPSTREAM_KEY_ENV)
     container: Obj = {
         "name": "proxy",
         "image": image,

@@ -139,4 +139,9 @@ def notes(
         lines.append(
             f"proxy.api_key is in Secret {topology.name}-proxy-api-key, not in the ConfigMap."
         )
+        lines.append(
+            "The instances require proxy.api_key too (VLLM_API_KEY from that Secret; the "
+            "proxy sends it), but vLLM checks it on /v1 routes only: keep other pods from "
+            "reaching the engine pods with a NetworkPolicy."
+        )
     return lines

@@ -88,9 +88,13 @@ def _engine_role(
     role = topology.roles[role_name]
     # The pod binds every interface on the cluster's port; the transfer configs are the
     # cluster's (their `$(POD_IP)` references are meant for kubelet, so not escaped).
-    pod = replace(spec, host="0.0.0.0", port=m.HTTP_PORT, ec_config=None, kv_config=None)
+    # Not epdctl's guard middleware: the engine image need not have epdctl. vLLM's own
+    # check of VLLM_API_KEY (from the Secret) covers the /v1 routes; see the notes.
+    pod = replace(spec, host="0.0.0.0", port=m.HTTP_PORT, ec_config=None, kv_config=None,
+                  is_key_required=False)
     argv = [escape(a) for a in pod.argv]
     env = [m.env_value(k, escape(v)) for k, v in spec.env.items() if k not in _LOCAL_ENV]
+    env += m.engine_key_env(topology)
     storage = _volumes.pod_storage(topology, spec.env, options)
     env += storage.env
     ports = []

@@ -1,4 +1,8 @@
-"""topologies/cpu-demo.yaml (E|PD, tiny LLaVA) for real: up, requests, cache hits, verify, down."""
+"""topologies/cpu-demo.yaml (E|PD, tiny LLaVA) for real: up, requests, cache hits, verify, down.
+
+It runs with proxy.api_key set: every request here goes through the proxy with the key, and
+the instances refuse anything that comes straight to them without the run's internal key.
+"""
 
 from __future__ import annotations
 
@@ -23,16 +27,19 @@ from tests.vllm_harness import Server, chat, chat_messages, image_data_url, make
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-llava"
 INSTANCES = ("encode-0", "pd-0")
+KEY = "demo-key-for-the-e2e-test"
 
 
 @pytest.fixture(scope="module")
 def demo(
     tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TopologyRun, Server]]:
-    """cpu-demo.yaml with free ports, a private store and DEBUG logs, plus its baseline."""
+    """cpu-demo.yaml with free ports, a private store, DEBUG logs and an API key, plus its
+    baseline."""
     tmp = tmp_path_factory.mktemp("cpu-demo")
     path, cache_dir = write_topology("cpu-demo", tmp, tiny_llava,
-                                     env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+                                     env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+                                     proxy={"api_key": KEY})
     with topology_with_baseline(path, cache_dir, tmp / "state", tiny_llava) as servers:
         yield servers
 
@@ -48,7 +55,7 @@ def test_outputs_equal_the_baseline(
 ) -> None:
     run, baseline = demo
     urls = [image_data_url(make_image(seed))] if seed is not None else []
-    mine = chat(run.proxy_url, MODEL, image_urls=urls, stream=is_streamed)
+    mine = chat(run.proxy_url, MODEL, api_key=KEY, image_urls=urls, stream=is_streamed)
     theirs = chat(baseline.base_url, baseline.model, image_urls=urls)
     assert mine and mine == theirs
 
@@ -56,7 +63,7 @@ def test_outputs_equal_the_baseline(
 def test_different_images_answer_differently(demo: tuple[TopologyRun, Server]) -> None:
     """Guards the equality tests: the tiny model's answer does depend on the image."""
     run, _ = demo
-    answers = {chat(run.proxy_url, MODEL, image_urls=[image_data_url(make_image(s))])
+    answers = {chat(run.proxy_url, MODEL, api_key=KEY, image_urls=[image_data_url(make_image(s))])
                for s in (31, 32, 33)}
     assert len(answers) == 3
 
@@ -70,10 +77,12 @@ def test_repeated_image_is_loaded_from_the_store(demo: tuple[TopologyRun, Server
     key, url = content_key("image", png), image_data_url(png)
     pd_start = len(run.log("pd-0"))
     # Salts keep the prefix cache from answering the repeat without the image.
-    first = chat(run.proxy_url, MODEL, image_urls=[url], extra_body={"cache_salt": "first"})
+    first = chat(run.proxy_url, MODEL, api_key=KEY, image_urls=[url],
+                 extra_body={"cache_salt": "first"})
     entry = wait_for(lambda: (e := cache_entry(run, key)) and e["hits"] >= 1 and e)
     assert entry, "no entry, or no hit on it, after the first request"
-    second = chat(run.proxy_url, MODEL, image_urls=[url], extra_body={"cache_salt": "second"})
+    second = chat(run.proxy_url, MODEL, api_key=KEY, image_urls=[url],
+                  extra_body={"cache_salt": "second"})
     assert first and first == second == chat(baseline.base_url, baseline.model, image_urls=[url])
     again = wait_for(lambda: (e := cache_entry(run, key)) and e["hits"] > entry["hits"] and e)
     assert again and again["hits"] == entry["hits"] + 1
@@ -107,15 +116,50 @@ def test_a_uuid_naming_another_images_content_key_poisons_nothing(
     messages = chat_messages("What is in the image?", [red_url])
     messages[0]["content"][0]["uuid"] = blue_key
     reply = httpx.post(f"{run.proxy_url}/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "messages": messages, "temperature": 0.0, "max_tokens": 16})
+        "model": MODEL, "messages": messages, "temperature": 0.0, "max_tokens": 16},
+        headers={"authorization": f"Bearer {KEY}"})
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["content"] == red_answer
     assert wait_for(lambda: cache_entry(run, client_key(blue_key))), "no entry for the uuid"
     assert cache_entry(run, blue_key) is None
 
-    assert chat(run.proxy_url, MODEL, image_urls=[blue_url]) == blue_answer
+    assert chat(run.proxy_url, MODEL, api_key=KEY, image_urls=[blue_url]) == blue_answer
     assert wait_for(lambda: cache_entry(run, blue_key)), "no entry for the blue image"
     assert f"Finish execute for mm hash {blue_key}" in run.log("encode-0")
+
+
+def test_the_instances_refuse_requests_that_go_around_the_proxy(
+    demo: tuple[TopologyRun, Server],
+) -> None:
+    """Straight to PD (or E), the proxy's key is no good and no key is worse: 401 on the
+    OpenAI routes and on vLLM's others (/invocations); /health stays open; no output shows
+    either key."""
+    import httpx
+
+    run, _ = demo
+    internal = run.state().internal_key
+    assert internal and internal != KEY
+    body = {"model": MODEL, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hello"}]}
+    for name in INSTANCES:
+        url = next(s.url for s in run.state().specs if s.name == name)
+        for path in ("/v1/chat/completions", "/invocations"):
+            for headers in ({}, {"authorization": f"Bearer {KEY}"}):
+                reply = httpx.post(url + path, json=body, headers=headers, timeout=60)
+                assert reply.status_code == 401, (name, path, headers, reply.text)
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    pd = next(s.url for s in run.state().specs if s.name == "pd-0")
+    ok = httpx.post(pd + "/v1/chat/completions", json=body, timeout=120,
+                    headers={"authorization": f"Bearer {internal}"})
+    assert ok.status_code == 200, ok.text  # the 401s above were the key, nothing else
+    assert chat(run.proxy_url, MODEL, api_key=KEY, text="Hello")
+    commands = (("status",), ("status", "--json"), ("logs", "-n", "500"),
+                ("up", str(run.path), "--dry-run"))
+    shown = [run.cli(*args) for args in commands]
+    assert all(r.returncode == 0 for r in shown), [r.stderr for r in shown]
+    logs = [p.read_text(errors="replace") for p in (run.run_dir / "logs").iterdir()]
+    for text in [r.stdout + r.stderr for r in shown] + logs:
+        assert KEY not in text and internal not in text
 
 
 def test_logs_show_every_instance(demo: tuple[TopologyRun, Server]) -> None:

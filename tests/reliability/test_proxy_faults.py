@@ -164,7 +164,9 @@ def test_a_hung_encoder_is_ejected_then_readmitted(bring_up, fake_topology) -> N
 
 
 def test_api_key_end_to_end(bring_up, fake_topology) -> None:
-    """proxy.api_key reaches the proxy by env (not argv); 401 without it on all but /health."""
+    """proxy.api_key reaches the proxy by env (not argv); 401 without it on all but /health.
+    The instances require the run's internal key, which only the proxy presents: a request
+    straight to one is refused, and no output shows either key."""
     key = "s3cret-key-for-tests"
     topo = fake_topology()
 
@@ -173,13 +175,20 @@ def test_api_key_end_to_end(bring_up, fake_topology) -> None:
 
     run = bring_up(edit_topology(topo, with_key))
     proxy = run.state["specs"][-1]
-    assert proxy["env"] == {"EPDCTL_PROXY_API_KEY": key}
+    internal = proxy["env"]["EPDCTL_PROXY_UPSTREAM_KEY"]
+    assert proxy["env"] == {"EPDCTL_PROXY_API_KEY": key, "EPDCTL_PROXY_UPSTREAM_KEY": internal}
+    assert len(internal) >= 40 and internal != key
     import psutil
 
-    process = psutil.Process(run.pid("proxy"))
-    assert key not in " ".join(process.cmdline())
-    assert process.environ()["EPDCTL_PROXY_API_KEY"] == key
+    for name in ("encode-0", "pd-0", "proxy"):
+        process = psutil.Process(run.pid(name))
+        assert key not in " ".join(process.cmdline()) and internal not in " ".join(
+            process.cmdline())
+    assert psutil.Process(run.pid("proxy")).environ()["EPDCTL_PROXY_API_KEY"] == key
+    for name in ("encode-0", "pd-0"):
+        assert psutil.Process(run.pid(name)).environ()["VLLM_API_KEY"] == internal
     # The default bind is loopback only.
+    process = psutil.Process(run.pid("proxy"))
     listening = {c.laddr.ip for c in process.net_connections("tcp") if c.status == "LISTEN"}
     assert listening == {"127.0.0.1"}
 
@@ -196,9 +205,27 @@ def test_api_key_end_to_end(bring_up, fake_topology) -> None:
         assert client.get("/health").status_code == 200
         assert_complete(client.post("/v1/chat/completions", json=chat_body(image=True),
                                     headers=good), stream=False)
+        assert_complete(client.post("/v1/chat/completions", json=chat_body(stream=True),
+                                    headers=good), stream=True)
         assert client.get("/v1/models", headers=good).json()["data"][0]["id"] == MODEL
-    assert run.posts("pd-0") == 1  # refused requests never reached an instance
+    assert run.posts("pd-0") == 2  # refused requests never reached an instance
+    # Straight to an instance: without the internal key (the proxy's key is not it), 401.
+    for name in ("encode-0", "pd-0"):
+        for headers in ({}, good, {"authorization": "Bearer wrong"}):
+            reply = httpx.post(f"{run.urls[name]}/v1/chat/completions", json=chat_body(),
+                               headers=headers, timeout=10)
+            assert reply.status_code == 401, (name, headers)
+        assert httpx.get(f"{run.urls[name]}/health", timeout=10).status_code == 200
+    assert run.posts("pd-0") == 2
     assert epdctl(run.env, "status").returncode == 0  # the supervisor's probes need no key
+    shown = [epdctl(run.env, *args) for args in (("status",), ("status", "--json"),
+                                                 ("logs", "-n", "200"),
+                                                 ("up", str(topo), "--dry-run"))]
+    assert all(r.returncode == 0 for r in shown), [r.stderr for r in shown]
+    logs = [p.read_text() for p in (run.run_dir / "logs").iterdir()]
+    for text in [r.stdout + r.stderr for r in shown] + logs:
+        assert key not in text and internal not in text
+    assert "VLLM_API_KEY=<internal>" in shown[-1].stdout
 
 
 @pytest.mark.anyio

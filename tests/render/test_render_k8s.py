@@ -133,6 +133,17 @@ def test_api_key_goes_to_a_secret_not_the_config_map() -> None:
     assert _by(rendering, "Secret")["epd-proxy-api-key"]["stringData"] == {"api-key": "k3y"}
     env = _container(_by(rendering, "Deployment")["epd-proxy"])["env"]
     assert env[0]["valueFrom"]["secretKeyRef"]["name"] == "epd-proxy-api-key"
+    ref = {"secretKeyRef": {"name": "epd-proxy-api-key", "key": "api-key"}}
+    assert {e["name"]: e["valueFrom"] for e in env} == {
+        "EPDCTL_PROXY_API_KEY": ref, "EPDCTL_PROXY_UPSTREAM_KEY": ref}
+    # The instances require the key too, from the same Secret; it is nowhere else.
+    for obj in _by(rendering, "StatefulSet").values():
+        container = _container(obj)
+        assert {"name": "VLLM_API_KEY", "valueFrom": ref} in container["env"]
+        assert "--middleware" not in container["command"]  # the image need not have epdctl
+    shown = json.dumps([o for o in rendering.objects if o["kind"] != "Secret"])
+    assert "k3y" not in shown and "k3y" not in " ".join(rendering.notes)
+    assert any("NetworkPolicy" in n for n in rendering.notes)
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ class StoreView:
 
 
 def resolve_store(app: App, store_dir: Path | None) -> StoreView:
-    """--store-dir, else the running topology's store, else /dev/shm/epdctl."""
+    """--store-dir, else the running topology's store, else /dev/shm/epdctl-<uid>."""
     if store_dir is not None:
         return StoreView(store_dir.absolute())
     from epdctl.errors import EpdctlError
@@ -56,7 +56,7 @@ def resolve_store(app: App, store_dir: Path | None) -> StoreView:
     except EpdctlError:
         state = None
     if state is None:
-        return StoreView(Path(cache.DEFAULT_STORE_ROOT))
+        return StoreView(Path(cache.default_store_root()))
     ns_dir = Path(state.store_dir)
     # state.json records the namespace's own dir; the store root is its parent.
     root = ns_dir.parent if ns_dir.name == state.namespace else ns_dir
@@ -68,5 +68,5 @@ store_dir_option = click.option(
     "--store-dir",
     "store_dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Store root; default: the running topology's, else /dev/shm/epdctl.",
+    help="Store root; default: the running topology's, else /dev/shm/epdctl-<uid>.",
 )
