@@ -16,16 +16,21 @@ class Reply(Protocol):
     status: int
     content_type: str
 
+    def header_list(self) -> list[tuple[bytes, bytes]]: ...
     async def read(self) -> bytes: ...
     def chunks(self) -> AsyncIterator[bytes]: ...
     async def close(self) -> None: ...
 
 
 class Upstream(Protocol):
-    """POST to an instance, fetch media, probe health; failures raise UpstreamError."""
+    """POST (or any method) to an instance, fetch media, probe health; failures raise
+    UpstreamError: "unavailable" when no response arrived, "broken" when one began."""
 
     async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
                    read_timeout_s: float, stage: str) -> Reply: ...
+    async def request(self, method: str, base: str, path: str, body: bytes,
+                      headers: Mapping[str, str], read_timeout_s: float, stage: str
+                      ) -> Reply: ...
     async def fetch(self, url: str, timeout_s: float, max_bytes: int) -> tuple[int, str, bytes]:
         ...
     async def probe(self, url: str, timeout_s: float) -> bool: ...
@@ -40,8 +45,8 @@ def wrap(client: Any, connect_timeout_s: float = 5.0) -> Upstream:
     return AiohttpUpstream(client, connect_timeout_s)
 
 
-def _error(exc: Exception, stage: str, base: str) -> UpstreamError:
-    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "unavailable"
+def _error(exc: Exception, stage: str, base: str, kind: str = "unavailable") -> UpstreamError:
+    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else kind
     return UpstreamError(stage, base, kind, f"{type(exc).__name__}: {exc}".rstrip(": "))
 
 
@@ -57,18 +62,21 @@ class HttpxReply:
         self.status = resp.status_code
         self.content_type = resp.headers.get("content-type", "application/json")
 
+    def header_list(self) -> list[tuple[bytes, bytes]]:
+        return list(self._resp.headers.raw)
+
     async def read(self) -> bytes:
         try:
             return await self._resp.aread()
         except httpx.TransportError as exc:
-            raise _error(exc, self._stage, self._base) from exc
+            raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._resp.aiter_raw():
                 yield chunk
         except httpx.TransportError as exc:
-            raise _error(exc, self._stage, self._base) from exc
+            raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def close(self) -> None:
         await self._resp.aclose()
@@ -90,8 +98,13 @@ class HttpxUpstream:
 
     async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
                    read_timeout_s: float, stage: str) -> HttpxReply:
+        return await self.request("POST", base, path, body, headers, read_timeout_s, stage)
+
+    async def request(self, method: str, base: str, path: str, body: bytes,
+                      headers: Mapping[str, str], read_timeout_s: float, stage: str
+                      ) -> HttpxReply:
         request = self._client.build_request(
-            "POST", base + path, content=body, headers=headers,
+            method, base + path, content=body or None, headers=headers,
             timeout=self._timeout(read_timeout_s))
         try:
             resp = await self._client.send(request, stream=True)
