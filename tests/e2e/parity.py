@@ -111,22 +111,54 @@ def normalize(value: Any) -> Any:
 
 
 def body_of(response: httpx.Response) -> Any:
-    """JSON normalized, an SSE stream as its normalized events, anything else as text."""
-    kind = response.headers.get("content-type", "")
-    if kind.startswith("text/event-stream"):
-        events = []
-        for block in response.text.split("\n\n"):
-            for line in block.splitlines():
-                data = line.removeprefix("data: ")
-                if line.startswith("data: ") and data != "[DONE]":
-                    events.append(normalize(json.loads(data)))
-                elif line:
-                    events.append(line)
-        return events
+    """JSON normalized, an SSE stream as its events, anything else as text."""
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        return events(response.text)
     try:
         return normalize(response.json())
     except ValueError:
         return response.text
+
+
+def events(text: str) -> list[Any]:
+    """A stream's events, normalized, with runs of text deltas joined: how many tokens one
+    event carries depends on timing (E|P|D's decode often sends more than one at first)."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        lines = block.splitlines()
+        name = next((ln[7:] for ln in lines if ln.startswith("event: ")), None)
+        data = next((ln[6:] for ln in lines if ln.startswith("data: ")), None)
+        if data is None or data == "[DONE]":
+            out.extend([data] if data else [])
+            continue
+        event = normalize(json.loads(data))
+        event.pop("sequence_number", None)  # renumbered by the joining
+        piece = _text_delta(event)
+        last = out[-1] if out else None
+        if piece is not None and isinstance(last, dict) and last.get("delta_kind") == piece[0]:
+            last["text"] += piece[1]
+            continue
+        out.append({"event": name, **(event if piece is None else
+                                       {"delta_kind": piece[0], "text": piece[1]})})
+    return out
+
+
+def _text_delta(event: dict[str, Any]) -> tuple[str, str] | None:
+    """(kind, text) when the event carries nothing but generated text."""
+    kind = event.get("type")
+    if kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+        return kind, event.get("delta") or ""
+    choices = event.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or event.get("usage"):
+        return None
+    choice = choices[0]
+    if choice.get("finish_reason") is not None or choice.get("logprobs"):
+        return None
+    if isinstance(choice.get("delta"), dict) and set(choice["delta"]) == {"content"}:
+        return "chat", choice["delta"]["content"] or ""
+    if isinstance(choice.get("text"), str) and "delta" not in choice:
+        return "text", choice["text"]
+    return None
 
 
 def send(base: str, method: str, path: str, body: Any, rid: str) -> httpx.Response:
