@@ -61,15 +61,9 @@ def _client(config: ProxyConfig) -> Any:
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
         timeout = httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s)
         return httpx.AsyncClient(limits=limits, timeout=timeout)
-    import aiohttp
+    from epdctl.proxy.client_aiohttp import session
 
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-    # No cookie jar (instances set none) and no decompression (we ask for identity): both
-    # cost time on every request.
-    return aiohttp.ClientSession(
-        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-        timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s,
-                                      sock_read=config.decode_timeout_s))
+    return session(config.connect_timeout_s, config.decode_timeout_s, KEEPALIVE_EXPIRY_S)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -16,16 +16,21 @@ class Reply(Protocol):
     status: int
     content_type: str
 
+    def header_list(self) -> list[tuple[bytes, bytes]]: ...
     async def read(self) -> bytes: ...
     def chunks(self) -> AsyncIterator[bytes]: ...
     async def close(self) -> None: ...
 
 
 class Upstream(Protocol):
-    """POST to an instance, fetch media, probe health; failures raise UpstreamError."""
+    """POST (or any method) to an instance, fetch media, probe health; failures raise
+    UpstreamError: "unavailable" when no response arrived, "broken" when one began."""
 
     async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
                    read_timeout_s: float, stage: str) -> Reply: ...
+    async def request(self, method: str, base: str, path: str, body: bytes,
+                      headers: Mapping[str, str], read_timeout_s: float, stage: str
+                      ) -> Reply: ...
     async def fetch(self, url: str, timeout_s: float, max_bytes: int) -> tuple[int, str, bytes]:
         ...
     async def probe(self, url: str, timeout_s: float) -> bool: ...
@@ -34,8 +39,8 @@ class Upstream(Protocol):
 def wrap(client: Any, connect_timeout_s: float = 5.0, api_key: str | None = None) -> Upstream:
     """Our interface over a caller-owned client: httpx.AsyncClient or aiohttp.ClientSession.
 
-    `api_key`: the instances' internal key, sent with every POST to them (never with a media
-    fetch, which goes elsewhere; /health probes need none).
+    `api_key`: the instances' internal key, sent with every request to them, passed-through
+    ones too (never with a media fetch, which goes elsewhere; /health probes need none).
     """
     if isinstance(client, httpx.AsyncClient):
         return HttpxUpstream(client, connect_timeout_s, api_key)
@@ -49,8 +54,8 @@ def with_key(headers: Mapping[str, str], auth: str | None) -> Mapping[str, str]:
     return headers if auth is None else {**headers, "authorization": auth}
 
 
-def _error(exc: Exception, stage: str, base: str) -> UpstreamError:
-    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "unavailable"
+def _error(exc: Exception, stage: str, base: str, kind: str = "unavailable") -> UpstreamError:
+    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else kind
     return UpstreamError(stage, base, kind, f"{type(exc).__name__}: {exc}".rstrip(": "))
 
 
@@ -66,18 +71,21 @@ class HttpxReply:
         self.status = resp.status_code
         self.content_type = resp.headers.get("content-type", "application/json")
 
+    def header_list(self) -> list[tuple[bytes, bytes]]:
+        return list(self._resp.headers.raw)
+
     async def read(self) -> bytes:
         try:
             return await self._resp.aread()
         except httpx.TransportError as exc:
-            raise _error(exc, self._stage, self._base) from exc
+            raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._resp.aiter_raw():
                 yield chunk
         except httpx.TransportError as exc:
-            raise _error(exc, self._stage, self._base) from exc
+            raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def close(self) -> None:
         await self._resp.aclose()
@@ -101,8 +109,13 @@ class HttpxUpstream:
 
     async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
                    read_timeout_s: float, stage: str) -> HttpxReply:
+        return await self.request("POST", base, path, body, headers, read_timeout_s, stage)
+
+    async def request(self, method: str, base: str, path: str, body: bytes,
+                      headers: Mapping[str, str], read_timeout_s: float, stage: str
+                      ) -> HttpxReply:
         request = self._client.build_request(
-            "POST", base + path, content=body, headers=with_key(headers, self._auth),
+            method, base + path, content=body or None, headers=with_key(headers, self._auth),
             timeout=self._timeout(read_timeout_s))
         try:
             resp = await self._client.send(request, stream=True)

@@ -8,6 +8,7 @@ proxy code through httpx.MockTransport.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -15,8 +16,37 @@ from epdctl.proxy.client import with_key
 from epdctl.proxy.errors import UpstreamError
 
 
-def _error(exc: BaseException, stage: str, base: str) -> UpstreamError:
-    kind = "timeout" if isinstance(exc, TimeoutError) else "unavailable"
+class Response(aiohttp.ClientResponse):
+    """A response whose connection is never reused after a 5xx: uvicorn closes the
+    connection behind an error the app raised (vLLM's 500s) without `Connection: close`,
+    and the next request sent on it would meet a reset."""
+
+    async def start(self, connection: Any) -> aiohttp.ClientResponse:
+        protocol = connection.protocol
+        await super().start(connection)
+        if self.status >= 500 and protocol is not None:
+            protocol.force_close()  # closed when released, if it is still ours
+            if self.connection is None:  # the whole body came with the head: pooled already
+                protocol.close()  # the pool skips a closed connection
+        return self
+
+
+def session(connect_timeout_s: float, read_timeout_s: float, keepalive_s: float
+            ) -> aiohttp.ClientSession:
+    """The proxy's one shared session."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s)
+    # No cookie jar (instances set none) and no decompression (we ask for identity): both
+    # cost time on every request.
+    return aiohttp.ClientSession(
+        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+        response_class=Response,
+        timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s,
+                                      sock_read=read_timeout_s))
+
+
+def _error(exc: BaseException, stage: str, base: str, kind: str = "unavailable"
+           ) -> UpstreamError:
+    kind = "timeout" if isinstance(exc, TimeoutError) else kind
     return UpstreamError(stage, base, kind, f"{type(exc).__name__}: {exc}".rstrip(": "))
 
 
@@ -32,18 +62,21 @@ class AiohttpReply:
         self.status = resp.status
         self.content_type = resp.headers.get("Content-Type", "application/json")
 
+    def header_list(self) -> list[tuple[bytes, bytes]]:
+        return list(self._resp.raw_headers)
+
     async def read(self) -> bytes:
         try:
             return await self._resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _error(exc, self._stage, self._base) from exc
+            raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._resp.content.iter_any():
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _error(exc, self._stage, self._base) from exc
+            raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def close(self) -> None:
         # An unfinished body means the client left or we gave up: drop the connection so
@@ -77,6 +110,17 @@ class AiohttpUpstream:
             resp = await self._session.post(base + path, data=body,
                                             headers=with_key(headers, self._auth),
                                             timeout=self._timeout(read_timeout_s))
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _error(exc, stage, base) from exc
+        return AiohttpReply(resp, stage, base)
+
+    async def request(self, method: str, base: str, path: str, body: bytes,
+                      headers: Mapping[str, str], read_timeout_s: float, stage: str
+                      ) -> AiohttpReply:
+        try:
+            resp = await self._session.request(method, base + path, data=body or None,
+                                               headers=with_key(headers, self._auth),
+                                               timeout=self._timeout(read_timeout_s))
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _error(exc, stage, base) from exc
         return AiohttpReply(resp, stage, base)

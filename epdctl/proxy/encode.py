@@ -135,13 +135,14 @@ class Encoder:
                 finally:
                     await reply.close()
             except UpstreamError as exc:
-                problem, is_retryable = str(exc), exc.kind != "timeout"
+                problem, is_retryable = str(exc), exc.is_retryable
             else:
                 if reply.status == 200:
                     results[item.uuid or ""] = (*_parse(data, item.uuid or ""), transfer_id)
                     return
+                # An answer, even a 5xx, is not retried (generate.next_attempt's rule).
                 problem = f"encode instance {inst.url}: HTTP {reply.status}: {data[:200]!r}"
-                is_retryable = reply.status >= 500
+                is_retryable = False
             finally:
                 inst.outstanding -= 1
             if not is_retryable or attempt == 1:

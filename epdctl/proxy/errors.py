@@ -1,39 +1,49 @@
-"""Errors the proxy answers with, in OpenAI's JSON error shape."""
+"""Errors the proxy answers with, in vLLM's JSON error shape (numeric `code` = the status)."""
 
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 
 JSON_TYPE = "application/json"
+# vLLM's `type` for the statuses its own errors use (serve/exception_handling); any other
+# status gets its HTTP phrase, as vLLM's handler for framework errors does.
+VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError",
+              500: "InternalServerError", 501: "NotImplementedError",
+              503: "ServiceUnavailableError"}
+# What `vllm serve --api-key` answers without a valid key (its AuthenticationMiddleware).
+UNAUTHORIZED_BODY = b'{"error":"Unauthorized"}'
+
+
+def vllm_type(status: int) -> str:
+    """The `type` vLLM writes for an error with this status."""
+    try:
+        return VLLM_TYPES.get(status) or HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
 
 
 class ProxyError(Exception):
-    """An answer for the client: status, OpenAI error type and code, extra headers."""
+    """An answer for the client: status, message, the offending parameter, extra headers."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type_
-        self.code = code
         self.param = param
         self.headers = headers or {}
 
     def body(self) -> bytes:
-        return error_body(self.message, self.type, self.code, self.param)
+        return error_body(self.message, self.status, self.param)
 
 
 class UpstreamError(Exception):
-    """A stage's instance could not answer: `kind` is "timeout" or "unavailable"."""
+    """A stage's instance gave no (whole) answer.
+
+    `kind`: "unavailable" (no response at all: refused, or reset before any response byte),
+    "broken" (the response began, then the connection failed), "timeout", "too large".
+    """
 
     def __init__(self, stage: str, url: str, kind: str, detail: str) -> None:
         super().__init__(f"{stage} instance {url}: {kind}: {detail}")
@@ -42,20 +52,22 @@ class UpstreamError(Exception):
         self.kind = kind
         self.detail = detail
 
+    @property
+    def is_retryable(self) -> bool:
+        """Only a request the instance never answered may be sent again: a timeout would
+        double the wait, and a broken answer may have been acted on."""
+        return self.kind == "unavailable"
+
     def to_proxy_error(self) -> ProxyError:
         """504 for a timeout, 502 for anything else, naming the stage and the instance."""
-        status = 504 if self.kind == "timeout" else 502
-        code = "upstream_timeout" if self.kind == "timeout" else "upstream_unavailable"
-        return ProxyError(status, str(self), type_="upstream_error", code=code)
+        return ProxyError(504 if self.kind == "timeout" else 502, str(self))
 
 
-def error_body(
-    message: str, type_: str, code: str | int | None = None, param: str | None = None
-) -> bytes:
-    """`{"error": {"message", "type", "param", "code"}}` as bytes."""
-    error = {"message": message, "type": type_, "param": param, "code": code}
+def error_body(message: str, status: int, param: str | None = None) -> bytes:
+    """`{"error": {"message", "type", "param", "code"}}` as vLLM writes it, as bytes."""
+    error = {"message": message, "type": vllm_type(status), "param": param, "code": status}
     return json.dumps({"error": error}).encode()
 
 
 def bad_request(message: str, param: str | None = None) -> ProxyError:
-    return ProxyError(400, message, code="invalid_request", param=param)
+    return ProxyError(400, message, param=param)

@@ -11,9 +11,10 @@ from typing import Any
 
 from epdctl.proxy.client import Reply, Upstream
 from epdctl.proxy.config import ProxyConfig
-from epdctl.proxy.errors import JSON_TYPE, UpstreamError, error_body
+from epdctl.proxy.errors import JSON_TYPE, UpstreamError
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import decode_body, dumps, prefill_body, upstream_headers
+from epdctl.proxy.responses import needs_prefill
+from epdctl.proxy.routing import RESPONSES, decode_body, dumps, prefill_body, upstream_headers
 from epdctl.proxy.sse import error_event, error_status, verdict
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Instance, Pool, Upstreams
@@ -28,10 +29,13 @@ class Answer:
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    raw_headers: list[tuple[bytes, bytes]] | None = None
+    """An instance's own response headers, relayed instead of content type and `headers`."""
 
 
 class StageFailed(Exception):
-    """One attempt failed before any byte reached the client."""
+    """One attempt failed before any byte reached the client: no (whole) answer, or a
+    refusal (status and body as the instance sent them)."""
 
     def __init__(self, stage: str, inst: Instance, *, error: UpstreamError | None = None,
                  status: int = 502, content_type: str = JSON_TYPE, body: bytes = b"") -> None:
@@ -45,24 +49,21 @@ class StageFailed(Exception):
 
     @property
     def is_retryable(self) -> bool:
-        """Connection errors and 5xx; never a timeout (it would double the wait)."""
-        if self.error is not None:
-            return self.error.kind != "timeout"
-        return self.status >= 500
+        """Only when the instance did not answer at all (refused, or reset before any
+        response byte). A refusal is vLLM's answer, and the client gets it as it is."""
+        return self.error is not None and self.error.is_retryable
+
+    @property
+    def is_timeout(self) -> bool:
+        """Never tried again: it would double the wait."""
+        return self.error is not None and self.error.kind == "timeout"
 
     def answer(self) -> Answer:
-        """Upstream errors pass through unchanged; non-JSON bodies get OpenAI's shape."""
+        """vLLM's refusal unchanged; our own 502/504 when it gave no answer."""
         if self.error is not None:
             err = self.error.to_proxy_error()
             return Answer(err.status, JSON_TYPE, err.body())
-        try:
-            json.loads(self.body)
-            return Answer(self.status, self.content_type, self.body)
-        except ValueError:
-            text = self.body.decode(errors="replace")[:500]
-            message = f"{self.stage} instance {self.inst.url} answered HTTP {self.status}: {text}"
-            return Answer(self.status, JSON_TYPE, error_body(message, "upstream_error",
-                                                             self.status))
+        return Answer(self.status, self.content_type, self.body)
 
 
 ATTEMPTS = 2
@@ -70,15 +71,19 @@ ATTEMPTS = 2
 
 
 def next_attempt(failed: StageFailed, attempt: int, is_rewritten: bool, trace: Trace,
-                 metrics: Metrics) -> None:
-    """The one attempt policy, for both EC protocols: raise `failed` unless another attempt
-    is due. A rewritten body gets one with the raw media on any failure but a timeout (PD
-    may lack a rewritten item's entry); any other body, on a retryable failure."""
-    if attempt + 1 < ATTEMPTS and is_rewritten and (failed.error is None
-                                                   or failed.is_retryable):
+                 metrics: Metrics, *, is_pushed: bool = False) -> None:
+    """The one attempt policy, for every route and both EC protocols: raise `failed` unless
+    another attempt is due. The client's request as it is gets one only when the instance did
+    not answer at all: a refusal is vLLM's answer. An attempt that rests on what the proxy
+    arranged gets one on any failure but a timeout: a rewritten body (PD may lack an item's
+    entry; the next attempt sends the media) and Mooncake's pushes (the next attempt pushes
+    again, elsewhere)."""
+    if attempt + 1 >= ATTEMPTS or failed.is_timeout:
+        raise failed
+    if is_rewritten:
         trace.fallbacks.append("rewrite")
         metrics.fallbacks.labels("rewrite").inc()
-    elif attempt + 1 < ATTEMPTS and failed.is_retryable:
+    elif is_pushed or failed.is_retryable:
         trace.retries += 1
         metrics.retries.labels(failed.stage).inc()
     else:
@@ -101,31 +106,34 @@ class Generator:
     async def run(self, route: str, first: dict[str, Any] | bytes,
                   second: dict[str, Any] | bytes, is_rewritten: bool, is_stream: bool,
                   trace: Trace) -> Answer:
-        """Try `first`; on a retryable failure (any, if rewritten) send `second` elsewhere."""
+        """Try `first`; when next_attempt allows, send `second` elsewhere."""
         avoid: dict[str, Instance] = {}
         body = first
         for attempt in range(ATTEMPTS):
+            # Only an attempt that may fall back turns an early in-stream error into a failure.
+            may_fall_back = is_rewritten and attempt + 1 < ATTEMPTS
             try:
-                return await self._attempt(route, body, is_stream, trace, avoid)
+                return await self._attempt(route, body, may_fall_back, is_stream, trace, avoid)
             except StageFailed as failed:
                 avoid[failed.stage] = failed.inst
                 next_attempt(failed, attempt, is_rewritten, trace, self.metrics)
                 body, is_rewritten = second, False
         raise AssertionError("unreachable")
 
-    async def _attempt(self, route: str, body: dict[str, Any] | bytes, is_stream: bool,
-                       trace: Trace, avoid: dict[str, Instance]) -> Answer:
+    async def _attempt(self, route: str, body: dict[str, Any] | bytes, may_fall_back: bool,
+                       is_stream: bool, trace: Trace, avoid: dict[str, Instance]) -> Answer:
         if self.prefill_pool is not None:
             as_dict = body if isinstance(body, dict) else json.loads(body)
-            kv = await self._prefill(route, as_dict, trace, avoid.get("prefill"))
-            body = decode_body(as_dict, kv)
+            if route != RESPONSES or needs_prefill(as_dict):
+                kv = await self._prefill(route, as_dict, trace, avoid.get("prefill"))
+                body = decode_body(as_dict, kv)
         inst = self.decode_pool.pick(avoid.get(self.decode_stage))
-        return await self._decode(route, body, is_stream, trace, inst)
+        return await self._decode(route, body, may_fall_back, is_stream, trace, inst)
 
     async def answer_from(self, inst: Instance, route: str, body: dict[str, Any],
-                          is_stream: bool, trace: Trace) -> Answer:
+                          may_fall_back: bool, is_stream: bool, trace: Trace) -> Answer:
         """One attempt on a PD instance the caller chose (Mooncake picks PD before E)."""
-        return await self._decode(route, body, is_stream, trace, inst)
+        return await self._decode(route, body, may_fall_back, is_stream, trace, inst)
 
     async def _prefill(self, route: str, body: dict[str, Any], trace: Trace,
                        avoid: Instance | None) -> object:
@@ -161,12 +169,17 @@ class Generator:
         except (ValueError, AttributeError):
             return None
 
-    async def _decode(self, route: str, body: dict[str, Any] | bytes, is_stream: bool,
-                      trace: Trace, inst: Instance) -> Answer:
-        """D's (or PD's) answer; a stream is committed only after its first content."""
+    async def _decode(self, route: str, body: dict[str, Any] | bytes, may_fall_back: bool,
+                      is_stream: bool, trace: Trace, inst: Instance) -> Answer:
+        """D's (or PD's) answer; a stream is committed only after its first content (an error
+        event before it fails the attempt when another is due: `may_fall_back`).
+
+        The client's own request id goes here unchanged, so the answer's `id` is the one
+        vLLM gives for it (E and P get child ids, for the logs).
+        """
         stage = self.decode_stage
         trace.instances[stage] = inst.url
-        headers = upstream_headers(f"{trace.rid}:decode")
+        headers = upstream_headers(trace.rid)
         payload = body if isinstance(body, bytes) else dumps(body)
         timeout_s = self.config.decode_timeout_s
         started = time.perf_counter()
@@ -185,7 +198,7 @@ class Generator:
                     return Answer(200, reply.content_type, data)
                 chunks = reply.chunks().__aiter__()
                 head, in_stream = await _peek(chunks)
-            if in_stream is not None:
+            if in_stream is not None and may_fall_back:  # else vLLM's own stream, as it is
                 raise StageFailed(stage, inst, status=error_status(in_stream),
                                   body=json.dumps(in_stream).encode())
             stream = self._relay(head, chunks, reply, inst, trace)

@@ -1,4 +1,5 @@
-"""The completion routes as raw ASGI: auth, bound, body, E, then PD; errors as JSON."""
+"""Every route but /health and /metrics, as raw ASGI: auth, bound, body, then E and PD (the
+completion routes) or the instance as it is (the rest); the proxy's own errors as JSON."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from epdctl.proxy import responses
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoder
-from epdctl.proxy.errors import JSON_TYPE, ProxyError
+from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError, bad_request
 from epdctl.proxy.generate import Answer, Generator, StageFailed
 from epdctl.proxy.media import assign_uuids, scope_client_uuids
 from epdctl.proxy.metrics import Metrics, outcome_of
 from epdctl.proxy.mooncake import MooncakeRoute
+from epdctl.proxy.passthrough import Passthrough
 from epdctl.proxy.routing import (
     CHAT,
+    ORCHESTRATED,
+    RESPONSES,
+    MediaItem,
     find_media,
+    is_stream,
     parse_body,
     pd_body,
     request_id,
@@ -65,6 +72,7 @@ class ProxyHandler:
         encode_pool = self.upstreams.pools.get("encode")
         self.encoder = Encoder(config, encode_pool, client, self.metrics) if encode_pool else None
         self.generator = Generator(config, self.upstreams, client, self.metrics)
+        self.passthrough = Passthrough(config, self.upstreams, client, self.metrics)
         self.mooncake = None
         if self.encoder is not None and config.ec_protocol == "mooncake":
             self.mooncake = MooncakeRoute(config, self.encoder, self.generator, self.metrics)
@@ -84,15 +92,18 @@ class ProxyHandler:
             lambda url: self.client.probe(url, self.config.health_timeout_s),
             self.config.health_interval_s)
 
-    async def completions(self, route: str, scope: Scope, receive: Any, send: Any) -> None:
-        """POST /v1/chat/completions and /v1/completions."""
+    async def handle(self, scope: Scope, receive: Any, send: Any) -> None:
+        """Any request: POSTs to the completion routes through E and P/D, the rest passed
+        through to an instance (which answers unknown paths and methods as vLLM does)."""
+        path = scope["path"]
+        route = path if scope["method"] == "POST" and path in ORCHESTRATED else None
         rid_header = length = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 rid_header = value.decode("latin-1")
             elif name == b"content-length":
                 length = value
-        trace = Trace(request_id(rid_header), route)
+        trace = Trace(request_id(rid_header), path)
         answer = self._refuse(scope, length)
         if answer is not None:
             await _send(send, answer, trace.rid)
@@ -100,27 +111,24 @@ class ProxyHandler:
             return
         self.inflight += 1
         try:
-            await self._serve(route, receive, send, trace)
+            await self._serve(route, scope, receive, send, trace, rid_header is not None)
         finally:
             self.inflight -= 1
 
     def _refuse(self, scope: Scope, length: bytes | None) -> Answer | None:
         """The answer for a request turned away before its body is read, if it is."""
-        if scope["method"] != "POST":
-            return _error(ProxyError(405, "Method Not Allowed", code="method_not_allowed"))
         if not self.is_authorized(scope):
-            return _error(ProxyError(401, "Missing or invalid API key", code="invalid_api_key",
-                                     type_="authentication_error"))
+            return Answer(401, JSON_TYPE, UNAUTHORIZED_BODY)
         if self.inflight >= self.config.max_inflight:
             retry_after = str(self.config.retry_after_s)
             return _error(ProxyError(503, "The proxy is at its in-flight limit; retry later",
-                                     type_="server_error", code="overloaded",
                                      headers={"retry-after": retry_after}))
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             return _error(_too_large(self.config.max_body_bytes))
         return None
 
-    async def _serve(self, route: str, receive: Any, send: Any, trace: Trace) -> None:
+    async def _serve(self, route: str | None, scope: Scope, receive: Any, send: Any,
+                     trace: Trace, has_rid: bool) -> None:
         try:
             raw = await _read_body(receive, self.config.max_body_bytes)
         except ProxyError as exc:
@@ -133,7 +141,10 @@ class ProxyHandler:
         watcher = _Disconnect(receive)
         try:
             try:
-                answer = await self._answer(route, raw, trace)
+                if route is None:
+                    answer = await self.passthrough.run(scope, raw, trace)
+                else:
+                    answer = await self._answer(route, scope, raw, trace, has_rid)
             except ProxyError as exc:
                 answer = _error(exc)
             except StageFailed as failed:
@@ -144,7 +155,7 @@ class ProxyHandler:
                 self._finish(trace, answer.status)
                 return
             await _send_stream(send, answer, trace.rid, watcher)
-            self._finish(trace, 200)
+            self._finish(trace, answer.status)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not watcher.is_gone or task is None:
@@ -154,15 +165,22 @@ class ProxyHandler:
         except Exception:
             watcher.stop()
             log.exception("rid=%s internal proxy error", trace.rid)
-            await _send(send, _error(ProxyError(500, "internal proxy error",
-                                                type_="server_error")), trace.rid)
+            await _send(send, _error(ProxyError(500, "internal proxy error")), trace.rid)
             self._finish(trace, 500)
         finally:
             watcher.stop()
 
-    async def _answer(self, route: str, raw: bytes, trace: Trace) -> Answer:
-        body = parse_body(raw, route, self.config.models)
-        is_stream = body.get("stream") is True
+    async def _answer(self, route: str, scope: Scope, raw: bytes, trace: Trace,
+                      has_rid: bool) -> Answer:
+        try:
+            body = parse_body(raw, route, self.config.models)
+        except ProxyError:
+            # Not ours to refuse: vLLM answers it (its own error, or its answer).
+            trace.notes.append("passed_through=1")
+            return await self.passthrough.run(scope, raw, trace)
+        if not has_rid and isinstance(body.get("request_id"), str):
+            trace.rid = request_id(body["request_id"])  # what vLLM names the answer by
+        stream = is_stream(body)
         is_scoped = False
         if route == CHAT:  # before anything reads a uuid: none goes on as the client sent it
             scoped, by_client = scope_client_uuids(body, self.config.client_uuids)
@@ -171,28 +189,59 @@ class ProxyHandler:
             body = scoped
         first: dict[str, Any] | bytes = body if self.config.is_split or is_scoped else raw
         second, is_rewritten = first, False
-        items = find_media(body) if route == CHAT and self.encoder is not None else []
+        items = self._media(route, body)
         if items:
-            assert self.encoder is not None
             trace.items = len(items)
-            by_content = await assign_uuids(items, self.client,
-                                            self.config.media_fetch_timeout_s,
-                                            self.config.max_body_bytes)
+            try:
+                by_content = await assign_uuids(items, self.client,
+                                                self.config.media_fetch_timeout_s,
+                                                self.config.max_body_bytes)
+            except ProxyError:
+                if self.mooncake is not None:
+                    raise
+                # Media the proxy cannot key (bad base64, a URL it cannot fetch): PD gets
+                # the body as it came and answers for it, as vLLM would.
+                trace.notes.append("media_unkeyed=1")
+                return await self.generator.run(route, first, first, False, stream, trace)
             self.metrics.keyed_by["content"].inc(by_content)
             if self.mooncake is not None:
-                return await self.mooncake.run(route, body, items, is_stream, trace)
-            encoded = await self.encoder.run(body, items, trace)
-            first, is_rewritten = pd_body(body, items, encoded.reported, encoded.params,
-                                          self.config.metadata_rewrite)
-            if is_rewritten:  # the fallback: the media themselves
-                second = pd_body(body, items, encoded.reported, encoded.params, False)[0]
-            else:
-                second = first
-        return await self.generator.run(route, first, second, is_rewritten, is_stream, trace)
+                if route != CHAT:
+                    raise bad_request("media in /v1/responses need --ec-protocol shared "
+                                      "(use /v1/chat/completions with mooncake)", "input")
+                return await self.mooncake.run(route, body, items, stream, trace)
+            first, second, is_rewritten = await self._encode(route, body, items, trace)
+        return await self.generator.run(route, first, second, is_rewritten, stream, trace)
+
+    def _media(self, route: str, body: dict[str, Any]) -> list[MediaItem]:
+        if self.encoder is None:
+            return []
+        if route == CHAT:
+            return find_media(body)
+        return responses.find_media(body) if route == RESPONSES else []
+
+    async def _encode(self, route: str, body: dict[str, Any], items: list[MediaItem],
+                      trace: Trace) -> tuple[dict[str, Any], dict[str, Any], bool]:
+        """E for every item; PD's body, its fallback, and whether the first is rewritten."""
+        assert self.encoder is not None
+        if route == RESPONSES:
+            view, moved = responses.encoder_view(body, items)
+            encoded = await self.encoder.run(view, moved, trace)
+            keyed = responses.pd_body(body, items, encoded.params)
+            return keyed, keyed, False
+        encoded = await self.encoder.run(body, items, trace)
+        first, is_rewritten = pd_body(body, items, encoded.reported, encoded.params,
+                                      self.config.metadata_rewrite)
+        if not is_rewritten:
+            return first, first, False
+        # The fallback: the media themselves.
+        second = pd_body(body, items, encoded.reported, encoded.params, False)[0]
+        return first, second, True
 
     def _finish(self, trace: Trace, status: int | str) -> None:
         outcome = outcome_of(status) if isinstance(status, int) else "cancelled"
-        self.metrics.count(trace.route, outcome)
+        # A bounded label set: the completion routes by name, every other path as one.
+        label = trace.route if trace.route in ORCHESTRATED else "passthrough"
+        self.metrics.count(label, outcome)
         self.metrics.stage["total"].observe(time.perf_counter() - trace.start)
         self.request_log(trace.line(status))
 
@@ -202,8 +251,7 @@ def _error(exc: ProxyError) -> Answer:
 
 
 def _too_large(limit: int) -> ProxyError:
-    return ProxyError(413, f"request body is larger than {limit} bytes",
-                      code="request_too_large")
+    return ProxyError(413, f"request body is larger than {limit} bytes")
 
 
 async def _read_body(receive: Any, max_bytes: int) -> bytes | None:
@@ -224,6 +272,8 @@ async def _read_body(receive: Any, max_bytes: int) -> bytes | None:
 
 
 def _headers(answer: Answer, rid: str) -> list[tuple[bytes, bytes]]:
+    if answer.raw_headers is not None:
+        return list(answer.raw_headers)
     headers = [(b"content-type", answer.content_type.encode()),
                (b"x-request-id", rid.encode())]
     headers += [(k.encode(), v.encode()) for k, v in answer.headers.items()]

@@ -42,7 +42,7 @@ class MooncakeRoute:
     A Mooncake consumer cannot encode media itself: it waits up to `push_wait_timeout_s`
     (60 s) for each item's push and then fails the request. So there is no raw-media
     fallback here: an item E cannot encode fails the request at once (502), and a retry on
-    another PD re-runs E for that PD under fresh transfer ids.
+    another PD (when the first did not answer at all) re-runs E for it under fresh ids.
     """
 
     def __init__(self, config: ProxyConfig, encoder: Encoder, generator: Generator,
@@ -54,7 +54,8 @@ class MooncakeRoute:
 
     async def run(self, route: str, body: dict[str, Any], items: list[MediaItem],
                   is_stream: bool, trace: Trace) -> Answer:
-        """Pick PD, encode for it, send; on a retryable failure do it all again elsewhere."""
+        """Pick PD, encode for it, send; on a failure (but a timeout) do it all again
+        elsewhere: the pushes may be what failed."""
         unkeyed = [n for n, it in enumerate(items) if it.uuid is None]
         if unkeyed:
             how = ("give it a `uuid`" if self.config.client_uuids
@@ -69,9 +70,10 @@ class MooncakeRoute:
             encoded = await self._encode_for(inst, body, items, trace)
             first, is_rewritten = consumer_body(body, items, encoded, should_rewrite)
             try:
-                return await self.generator.answer_from(inst, route, first, is_stream, trace)
+                return await self.generator.answer_from(inst, route, first,
+                                                        attempt + 1 < ATTEMPTS, is_stream, trace)
             except StageFailed as failed:
-                next_attempt(failed, attempt, is_rewritten, trace, self.metrics)
+                next_attempt(failed, attempt, is_rewritten, trace, self.metrics, is_pushed=True)
                 # The next attempt sends the media (pushed again, under fresh transfer ids).
                 should_rewrite = False
                 avoid = inst
@@ -92,6 +94,5 @@ class MooncakeRoute:
             problem = next(iter(encoded.problems.values()))
             raise ProxyError(
                 502, f"the encoder could not encode {len(encoded.problems)} media item(s), "
-                f"and a Mooncake PD cannot encode them itself: {problem}",
-                type_="upstream_error", code="encoder_failed")
+                f"and a Mooncake PD cannot encode them itself: {problem}")
         return encoded

@@ -11,6 +11,9 @@ from epdctl.proxy.errors import ProxyError, bad_request
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+ORCHESTRATED = (CHAT, COMPLETIONS, RESPONSES)
+"""The POST routes the proxy runs through E and P/D; every other route passes through."""
 MEDIA_TYPES = {"image_url": "image", "audio_url": "audio", "input_audio": "audio",
                "video_url": "video"}
 # Per-request kwargs that vLLM folds into the cache key (contracts §5.5).
@@ -35,11 +38,31 @@ class MediaItem:
     """Set when the proxy fetched a remote URL: the bytes it hashed, sent on instead."""
 
 
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
 def request_id(headers_value: str | None) -> str:
-    """The client's x-request-id, or a fresh one."""
+    """The client's x-request-id, or a fresh one as wide as vLLM's own (16 hex digits)."""
     if headers_value and len(headers_value) <= 200 and headers_value.isprintable():
         return headers_value
-    return os.urandom(16).hex()
+    return os.urandom(8).hex()
+
+
+def lax_bool(value: object, name: str) -> bool | None:
+    """A boolean field read as vLLM's pydantic models read it: `"yes"`, `1`, `"off"`, ..."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise bad_request(f"`{name}` must be a boolean", name)
+
+
+def is_stream(body: dict[str, Any]) -> bool:
+    """Whether a (checked) body asks for a stream."""
+    return bool(lax_bool(body.get("stream"), "stream"))
 
 
 def upstream_headers(child_id: str) -> dict[str, str]:
@@ -49,7 +72,11 @@ def upstream_headers(child_id: str) -> dict[str, str]:
 
 
 def parse_body(raw: bytes, route: str, models: tuple[str, ...]) -> dict[str, Any]:
-    """Decode and check the fields the proxy relies on; vLLM checks the rest."""
+    """Decode and check the fields the proxy relies on; vLLM checks the rest.
+
+    A body refused here is not answered by the proxy: it goes to PD (or D) as it came, so
+    the client gets vLLM's own refusal (or, if vLLM takes it, vLLM's answer).
+    """
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -61,15 +88,18 @@ def parse_body(raw: bytes, route: str, models: tuple[str, ...]) -> dict[str, Any
         if not isinstance(model, str):
             raise bad_request("`model` must be a string", "model")
         if model not in models:
-            raise ProxyError(404, f"The model `{model}` does not exist.",
-                             code="model_not_found", param="model")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise bad_request("`stream` must be a boolean", "stream")
+            raise ProxyError(404, f"The model `{model}` does not exist. Valid aliases: "
+                             f"{', '.join(models)}.", param="model")
+    lax_bool(body.get("stream"), "stream")
     for key in (*MM_KWARGS, "stream_options", "kv_transfer_params", "ec_transfer_params"):
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise bad_request(f"`{key}` must be an object", key)
     if route == CHAT:
         _check_messages(body.get("messages"))
+    elif route == RESPONSES:
+        from epdctl.proxy.responses import check_input
+
+        check_input(body.get("input"))
     elif not isinstance(body.get("prompt"), str | list):
         raise bad_request("`prompt` must be a string or a list", "prompt")
     return body
@@ -231,7 +261,11 @@ def pd_body(body: dict[str, Any], items: list[MediaItem], reported: dict[str, An
 def prefill_body(body: dict[str, Any], route: str) -> dict[str, Any]:
     """P's copy: one token, no streaming, asking P to keep the KV for a remote decode."""
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-    out.update(kv_transfer_params=dict(PREFILL_KV), stream=False, max_tokens=1)
+    out.update(kv_transfer_params=dict(PREFILL_KV), stream=False)
+    if route == RESPONSES:
+        out.update(max_output_tokens=1, store=False)  # D's answer is the one to keep
+    else:
+        out["max_tokens"] = 1
     if route == CHAT:
         out["max_completion_tokens"] = 1
     return out

@@ -10,6 +10,9 @@ from typing import Any
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
 PEEK_LIMIT_BYTES = 256 * 1024
+# /v1/responses streams open with these before any output (vLLM sends both at once).
+_RESPONSES_PREAMBLE = frozenset({"response.created", "response.in_progress", "response.queued"})
+_RESPONSES_ERRORS = frozenset({"error", "response.failed"})
 
 
 def _event_data(event: bytes) -> bytes | None:
@@ -36,6 +39,12 @@ def classify(event: bytes) -> tuple[str, dict[str, Any] | None]:
         return "error", obj
     if obj.get("object") == "error":  # older vLLM: the error fields at top level
         return "error", {"error": {k: obj.get(k) for k in ("message", "type", "param", "code")}}
+    kind = obj.get("type")
+    if isinstance(kind, str) and "choices" not in obj:  # the Responses API's events
+        if kind in _RESPONSES_ERRORS:
+            return "error", {"error": {k: obj.get(k) for k in ("message", "type", "param",
+                                                               "code")}}
+        return ("wait", None) if kind in _RESPONSES_PREAMBLE else ("commit", None)
     choices = obj.get("choices")
     if not isinstance(choices, list):
         return "wait", None
@@ -66,7 +75,7 @@ def error_status(obj: dict[str, Any]) -> int:
     return code if isinstance(code, int) and 400 <= code <= 599 else 500
 
 
-def error_event(message: str, type_: str = "upstream_error") -> bytes:
+def error_event(message: str) -> bytes:
     """An SSE error event in vLLM's shape, for failures after the stream was committed."""
-    error = {"message": message, "type": type_, "param": None, "code": 502}
+    error = {"message": message, "type": "Bad Gateway", "param": None, "code": 502}
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"

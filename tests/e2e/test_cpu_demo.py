@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.parity import bench, compare, missing_image, responses_image_entry
 from tests.e2e.topology_run import (
     TopologyRun,
     cache_entry,
@@ -168,6 +169,30 @@ def test_logs_show_every_instance(demo: tuple[TopologyRun, Server]) -> None:
 
 def test_verify_passes(demo: tuple[TopologyRun, Server]) -> None:
     check_verify(*demo)
+
+
+def test_the_proxy_answers_as_pd_does(demo: tuple[TopologyRun, Server]) -> None:
+    """A drop-in for `vllm serve`: chat, completions, responses, the pass-through routes and
+    vLLM's refusals, straight to pd-0 and through the proxy: same status, body, outputs."""
+    run, _ = demo
+    with missing_image() as missing:
+        assert compare(run.instance_url("pd-0"), run.proxy_url, missing) == {}
+
+
+def test_responses_image_is_loaded_from_the_store(demo: tuple[TopologyRun, Server]) -> None:
+    """/v1/responses gets chat's treatment: E encodes the input_image under the proxy's key,
+    and the next stage loads it from the store (a hit) instead of encoding it."""
+    assert responses_image_entry(demo[0], 63)
+
+
+def test_bench_serve_responses_through_the_proxy(
+    demo: tuple[TopologyRun, Server], tiny_llava: Path, tmp_path: Path
+) -> None:
+    """`vllm bench serve --backend openai-responses` completes every request; the random
+    dataset finds /tokenize (no "skipping alignment")."""
+    output, result = bench(demo[0].proxy_url, tiny_llava, tmp_path)
+    assert (result["completed"], result["failed"]) == (result["num_prompts"], 0), output
+    assert "/tokenize unavailable" not in output
 
 
 def test_down_leaves_nothing(demo: tuple[TopologyRun, Server]) -> None:

@@ -72,6 +72,11 @@ class TopologyRun:
     def proxy_url(self) -> str:
         return self.state().proxy.health_url.removesuffix("/health")
 
+    def instance_url(self, instance: str) -> str:
+        """An engine instance's root URL (what the proxy sends it requests on)."""
+        spec = next(s for s in self.state().specs if s.name == instance)
+        return spec.health_url.removesuffix("/health")
+
     def log(self, instance: str) -> str:
         return (self.run_dir / "logs" / f"{instance}.log").read_text(errors="replace")
 

@@ -55,6 +55,7 @@ class Seen:
     headers: httpx.Headers
     body: dict[str, Any] | None
     raw: bytes = b""
+    method: str = "POST"
 
 
 Handler = Callable[[Seen], Any]
@@ -89,10 +90,14 @@ class Fakes:
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         instance = request.url.host
-        body = json.loads(request.content) if request.content else None
-        seen = Seen(instance, request.url.path, request.headers, body, request.content)
+        try:
+            body = json.loads(request.content) if request.content else None
+        except ValueError:
+            body = None  # not JSON: the proxy passed a body through for vLLM to refuse
+        seen = Seen(instance, request.url.path, request.headers, body, request.content,
+                    request.method)
         self.seen.append(seen)
-        if request.url.path == "/health":
+        if request.url.path == "/health" and request.method == "GET":
             return httpx.Response(503 if instance in self.down else 200)
         if instance in self.down:
             raise httpx.ConnectError("connection refused", request=request)
@@ -106,7 +111,7 @@ class Fakes:
         return self.default(seen)
 
     def default(self, seen: Seen) -> httpx.Response:
-        body = seen.body or {}
+        body = seen.body if isinstance(seen.body, dict) else {}
         if seen.instance.startswith("e"):
             part = body["messages"][0]["content"][0]
             key = part.get("uuid") or "no-uuid"

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.proxy.fakes import MODEL
+from tests.proxy.vllm_like import CARD, VllmLike
 
 pytestmark = pytest.mark.anyio
 
@@ -15,11 +16,12 @@ pytestmark = pytest.mark.anyio
 async def test_api_key_guards_every_route_but_health(rig_factory):
     rig = rig_factory(api_key="s3cret")
     for method, path in (("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/responses"), ("POST", "/tokenize"), ("GET", "/nope"),
                          ("GET", "/v1/models"), ("GET", "/metrics")):
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
             r = await rig.client.request(method, path, headers=headers, json={})
-            assert r.status_code == 401, (path, headers)
-            assert r.json()["error"]["type"] == "authentication_error"
+            assert (r.status_code, r.content) == (401, b'{"error":"Unauthorized"}'), path
+    assert rig.fakes.posts("pd") == []
     assert (await rig.client.get("/health")).status_code == 200
     ok = {"authorization": "Bearer s3cret"}
     assert (await rig.client.get("/v1/models", headers=ok)).status_code == 200
@@ -42,7 +44,8 @@ async def test_in_flight_bound_answers_503_with_retry_after(rig_factory):
         await asyncio.sleep(0.01)
     r = await rig.chat("hi")
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    assert r.json()["error"]["code"] == "overloaded"
+    assert r.json()["error"] == {"message": "The proxy is at its in-flight limit; retry later",
+                                 "type": "ServiceUnavailableError", "param": None, "code": 503}
     gate.set()
     assert [t.status_code for t in await asyncio.gather(*first)] == [200, 200]
     assert rig.proxy.inflight == 0
@@ -52,7 +55,8 @@ async def test_in_flight_bound_answers_503_with_retry_after(rig_factory):
 async def test_oversize_body_is_413_by_header_and_by_bytes(rig_factory):
     rig = rig_factory(max_body_bytes=100)
     r = await rig.chat("x" * 200)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert r.json()["error"]["type"] == "Request Entity Too Large"
 
     async def chunks():
         for _ in range(5):
@@ -63,34 +67,41 @@ async def test_oversize_body_is_413_by_header_and_by_bytes(rig_factory):
     assert rig.fakes.posts("pd") == []
 
 
-async def test_validation_errors_are_openai_shaped(rig_factory):
-    rig = rig_factory()
+async def test_what_the_proxy_cannot_orchestrate_gets_vllms_own_answer(rig_factory):
+    """A model it does not know, JSON it cannot read, media it cannot key: the body goes to
+    PD as it came (E is skipped) and the client gets PD's refusal unchanged."""
+    rig = rig_factory(VllmLike(), encode=("http://e0",))
     r = await rig.client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": []})
     assert r.status_code == 404
-    assert r.json()["error"]["code"] == "model_not_found"
-    r = await rig.chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}])
-    assert r.status_code == 200  # aggregated PD without E: the proxy does not touch media
-    rig = rig_factory(encode=("http://e0",))
-    r = await rig.chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}])
-    assert r.status_code == 400 and "base64" in r.json()["error"]["message"]
-    assert rig.fakes.posts("") == []
+    assert r.json()["error"] == {"message": f"The model `gpt-4` does not exist. Valid aliases: "
+                                            f"{MODEL}.", "type": "NotFoundError",
+                                 "param": "model", "code": 404}
+    r = await rig.client.post("/v1/completions", content=b'{"prompt": ')
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    bad = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]
+    r = await rig.chat(bad)
+    assert r.status_code == 200  # the fake PD takes it; vLLM would answer for it
+    assert rig.fakes.posts("e") == []
+    assert [s.raw for s in rig.fakes.posts("pd")][-1] == rig.fakes.posts("pd")[-1].raw
+    assert rig.fakes.posts("pd")[-1].body["messages"][0]["content"] == bad
 
 
-async def test_unknown_paths_and_methods_are_json(rig_factory):
-    rig = rig_factory()
+async def test_unknown_paths_and_methods_answer_as_vllm_does(rig_factory):
+    rig = rig_factory(VllmLike())
     r = await rig.client.get("/v1/nope")
-    assert r.status_code == 404 and "error" in r.json()
+    assert (r.status_code, r.json()) == (404, {"detail": "Not Found"})
     r = await rig.client.get("/v1/chat/completions")
-    assert r.status_code == 405 and "error" in r.json()
+    assert (r.status_code, r.json()) == (405, {"detail": "Method Not Allowed"})
+    assert r.headers["allow"] == "POST"
     r = await rig.client.post("/health")
-    assert r.status_code == 405 and "error" in r.json()
+    assert (r.status_code, r.json()) == (405, {"detail": "Method Not Allowed"})
 
 
-async def test_models_lists_the_served_names(rig_factory):
-    rig = rig_factory(models=(MODEL, "alias"))
-    body = (await rig.client.get("/v1/models")).json()
-    assert [m["id"] for m in body["data"]] == [MODEL, "alias"]
-    assert body["object"] == "list"
+async def test_models_is_the_instances_own_card(rig_factory):
+    rig = rig_factory(VllmLike(), models=(MODEL, "alias"))
+    r = await rig.client.get("/v1/models")
+    assert (r.status_code, r.json()) == (200, CARD)
+    assert r.headers["content-type"] == "application/json"
 
 
 async def test_health_says_which_instances_are_out(rig_factory):
@@ -129,18 +140,20 @@ async def test_ejected_instance_gets_no_requests_while_a_healthy_one_exists(rig_
 
 
 async def test_metrics_has_every_family(rig_factory):
-    rig = rig_factory(encode=("http://e0",))
+    rig = rig_factory(VllmLike(), encode=("http://e0",))
     from tests.proxy.fakes import image_part
 
     await rig.chat([image_part()], stream=True)
     await rig.client.post("/v1/chat/completions", content=b"{")
+    await rig.client.post("/tokenize", json={"prompt": "hi"})
     text = (await rig.client.get("/metrics")).text
     for needle in (
         'epdctl_proxy_requests_total{outcome="ok",route="/v1/chat/completions"} 1.0',
         'epdctl_proxy_requests_total{outcome="client_error",route="/v1/chat/completions"} 1.0',
         'epdctl_proxy_stage_seconds_count{stage="encode"} 1.0',
         'epdctl_proxy_stage_seconds_count{stage="decode"} 1.0',
-        'epdctl_proxy_stage_seconds_count{stage="total"} 2.0',
+        'epdctl_proxy_stage_seconds_count{stage="total"} 3.0',
+        'epdctl_proxy_requests_total{outcome="ok",route="passthrough"} 1.0',
         "epdctl_proxy_encoder_fanout_items_count 1.0",
         "# TYPE epdctl_proxy_fallbacks_total counter",
         "# TYPE epdctl_proxy_retries_total counter",

@@ -12,10 +12,12 @@ from epdctl.proxy.routing import (
     CHAT,
     COMPLETIONS,
     PREFILL_KV,
+    RESPONSES,
     decode_body,
     encoder_body,
     find_media,
     flat_metadata,
+    is_stream,
     parse_body,
     prefill_body,
     request_id,
@@ -48,7 +50,8 @@ ALL_MEDIA = chat(
     (b"[1, 2]", 400, "JSON object"),
     (b'{"model": 3, "messages": []}', 400, "`model` must be a string"),
     (b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}', 404, "gpt-4"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "`stream`"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}', 400, "`stream`"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stream": 2}', 400, "`stream`"),
     (b'{"messages": []}', 400, "non-empty list"),
     (b'{"messages": ["hi"]}', 400, "messages[0] must be an object"),
     (b'{"messages": [{"role": "user", "content": 5}]}', 400, "content must be"),
@@ -64,7 +67,28 @@ def test_parse_body_rejects_with_a_status_and_a_reason(raw, status, needle):
         parse_body(raw, CHAT, MODELS)
     assert info.value.status == status
     assert needle in info.value.message
-    assert json.loads(info.value.body())["error"]["message"] == info.value.message
+    error = json.loads(info.value.body())["error"]
+    assert error["message"] == info.value.message
+    assert (error["code"], error["type"]) == (
+        status, {400: "BadRequestError", 404: "NotFoundError"}[status])  # vLLM's shape
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (True, True), ("yes", True), ("On", True), ("1", True), (1, True), (1.0, True),
+    (False, False), ("no", False), ("off", False), (0, False), (None, False)])
+def test_stream_is_read_as_vllm_reads_it(value, expected):
+    assert is_stream(parse({"stream": value, **chat()})) is expected
+
+
+def test_responses_bodies_are_checked_where_the_proxy_reads_them():
+    assert parse({"input": "hi"}, RESPONSES) == {"input": "hi"}
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "uuid": "u"}
+    assert parse({"input": [{"role": "user", "content": [image]}]}, RESPONSES)
+    for bad in (None, [], ["x"], [{"content": 3}], [{"content": [{"text": "x"}]}],
+                [{"content": [{**image, "image_url": {"url": "u"}}]}],
+                [{"content": [{**image, "uuid": 5}]}]):
+        with pytest.raises(ProxyError, match="input"):
+            parse({"input": bad}, RESPONSES)
 
 
 def test_completions_need_a_prompt_and_model_may_be_omitted():
@@ -125,6 +149,9 @@ def test_prefill_and_decode_bodies():
     assert "stream_options" not in p and "min_tokens" not in p
     assert body["stream"] is True and "kv_transfer_params" not in body
     assert "max_completion_tokens" not in prefill_body({"prompt": "x"}, COMPLETIONS)
+    p = prefill_body({"input": "x", "stream": True, "max_output_tokens": 9}, RESPONSES)
+    assert p == {"input": "x", "stream": False, "max_output_tokens": 1, "store": False,
+                 "kv_transfer_params": PREFILL_KV}
     kv = {"remote_block_ids": [1], "do_remote_prefill": True}
     assert decode_body(body, kv) == {**body, "kv_transfer_params": kv}
     assert decode_body(body, None) is body
@@ -185,6 +212,6 @@ def test_flat_metadata_flattens_nested_lists_only():
 
 def test_request_id_keeps_a_sane_client_id_and_makes_one_otherwise():
     assert request_id("abc-1") == "abc-1"
-    assert len(request_id(None)) == 32
+    assert len(request_id(None)) == 16  # as wide as vLLM's random_uuid()
     assert request_id("x" * 500) != "x" * 500
     assert request_id("bad\nid") != "bad\nid"

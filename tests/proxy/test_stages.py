@@ -36,7 +36,7 @@ async def test_image_goes_to_e_then_pd_with_the_same_content_key(rig_factory):
     assert enc.body == {"model": MODEL, "stream": False, "messages": [
         {"role": "user", "content": [{**image_part(), "uuid": KEY}]}]}
     [pd] = rig.fakes.posts("pd")
-    assert pd.headers["x-request-id"] == "req-7:decode"
+    assert pd.headers["x-request-id"] == "req-7"  # the client's: vLLM names the answer by it
     assert pd.body["messages"][0]["content"] == [content[0], {**image_part(), "uuid": KEY}]
     assert pd.body["max_tokens"] == 5
     assert pd.body["ec_transfer_params"] == {KEY: {"item_indices": [0], "metadata": {}}}
@@ -107,7 +107,7 @@ async def test_e_p_d_passes_kv_transfer_params_from_p_to_d(rig_factory):
     assert "stream_options" not in p.body
     assert p.body["messages"][0]["content"][0]["uuid"] == KEY
     [d] = rig.fakes.posts("d0")
-    assert d.headers["x-request-id"] == "r1:decode"
+    assert d.headers["x-request-id"] == "r1"
     assert d.body["kv_transfer_params"] == rig.fakes.kv_params
     assert (d.body["stream"], d.body["max_tokens"]) == (True, 30)
     assert d.body["stream_options"] == {"include_usage": True}
@@ -188,13 +188,22 @@ async def test_encoder_failure_falls_back_to_raw_media_on_pd(rig_factory):
     assert 'epdctl_proxy_retries_total{stage="encode"} 1.0' in metrics
 
 
-async def test_encoder_5xx_retries_on_another_encoder(rig_factory):
+async def test_encoder_5xx_falls_back_and_a_refused_connection_retries(rig_factory):
     fakes = Fakes(encoder_metadata=GRID)
     rig = rig_factory(fakes, encode=("http://e0", "http://e1"))
     first = rig.proxy.upstreams.pools["encode"].pick()  # the one the request will not get
-    fakes.then("e0" if first.url.endswith("e1") else "e1", fail(503))
-    r = await rig.chat([image_part()])
-    assert r.status_code == 200
+    other = "e0" if first.url.endswith("e1") else "e1"
+    fakes.then(other, fail(503))
+    assert (await rig.chat([image_part()])).status_code == 200
+    assert [s.instance for s in rig.fakes.posts("e")] == [other]  # an answer is not resent
+    [pd] = rig.fakes.posts("pd")
+    assert pd.body["messages"][0]["content"][0] == {**image_part(), "uuid": KEY}
+
+    fakes = Fakes(encoder_metadata=GRID)
+    rig = rig_factory(fakes, encode=("http://e0", "http://e1"))
+    first = rig.proxy.upstreams.pools["encode"].pick()
+    fakes.down.add("e0" if first.url.endswith("e1") else "e1")  # refuses the connection
+    assert (await rig.chat([image_part()])).status_code == 200
     assert sorted(s.instance for s in rig.fakes.posts("e")) == ["e0", "e1"]
     [pd] = rig.fakes.posts("pd")
     assert pd.body["messages"][0]["content"][0]["type"] == "image_embeds"

@@ -1,0 +1,130 @@
+"""Routes with nothing to orchestrate: sent to a PD (or D) instance, answered as it answers.
+
+`/tokenize`, `/detokenize`, `/version`, `/ping`, `/load`, `/v1/models`, `/openapi.json`,
+pooling and scoring routes, `/v1/messages`, `/invocations`, unknown paths (vLLM's own 404)
+and the bodies the proxy cannot orchestrate: method, path, query, headers and body go to
+the instance; its status, headers and body (streamed when it streams) come back as sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from epdctl.proxy.client import Reply, Upstream
+from epdctl.proxy.config import ProxyConfig
+from epdctl.proxy.errors import UpstreamError
+from epdctl.proxy.generate import ATTEMPTS, Answer, StageFailed, next_attempt
+from epdctl.proxy.metrics import Metrics
+from epdctl.proxy.sse import error_event
+from epdctl.proxy.trace import Trace
+from epdctl.proxy.upstreams import Instance, Upstreams
+
+# Hop-by-hop headers, what the proxy itself sets, and the proxy's own API key stay here.
+REQUEST_DROP = frozenset({b"connection", b"keep-alive", b"proxy-authorization", b"te",
+                          b"trailer", b"transfer-encoding", b"upgrade", b"host",
+                          b"content-length", b"authorization", b"accept-encoding", b"expect"})
+RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding",
+                           b"content-length", b"date", b"server"})
+SSE_TYPE = "text/event-stream"
+
+
+def forwarded_headers(scope_headers: list[tuple[bytes, bytes]], rid: str) -> dict[str, str]:
+    """The client's headers for the instance, with its request id (or ours) and identity
+    encoding, since the proxy relays the bytes as they come."""
+    out = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope_headers
+           if name not in REQUEST_DROP}
+    out["accept-encoding"] = "identity"
+    out["x-request-id"] = rid
+    return out
+
+
+def relayed_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
+    """The instance's response headers, less those that describe its connection to us."""
+    return [(name.lower(), value) for name, value in reply.header_list()
+            if name.lower() not in RESPONSE_DROP]
+
+
+class Passthrough:
+    """Sends a request as it came to the final stage's least busy healthy instance."""
+
+    def __init__(self, config: ProxyConfig, upstreams: Upstreams, client: Upstream,
+                 metrics: Metrics) -> None:
+        self.config = config
+        self.client = client
+        self.metrics = metrics
+        self.pool = upstreams.pools["decode" if config.is_split else "pd"]
+        self.stage = "decode" if config.is_split else "prefill_decode"
+        self.read_s = max(config.decode_timeout_s, config.stream_idle_timeout_s)
+
+    async def run(self, scope: Mapping[str, Any], raw: bytes, trace: Trace) -> Answer:
+        """The instance's answer; a second attempt elsewhere only if the first got none."""
+        path = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string") or b""
+        target = (path + b"?" + query if query else path).decode("latin-1")
+        headers = forwarded_headers(scope["headers"], trace.rid)
+        avoid: Instance | None = None
+        for attempt in range(ATTEMPTS):
+            inst = self.pool.pick(avoid)
+            try:
+                return await self._once(inst, scope["method"], target, raw, headers, trace)
+            except StageFailed as failed:
+                avoid = inst
+                next_attempt(failed, attempt, False, trace, self.metrics)
+        raise AssertionError("unreachable")
+
+    async def _once(self, inst: Instance, method: str, target: str, raw: bytes,
+                    headers: dict[str, str], trace: Trace) -> Answer:
+        trace.instances[self.stage] = inst.url
+        timeout_s = self.config.decode_timeout_s
+        started = time.perf_counter()
+        reply: Reply | None = None
+        is_handed_off = False
+        inst.outstanding += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                reply = await self.client.request(method, inst.url, target, raw, headers,
+                                                  self.read_s, self.stage)
+                head = relayed_headers(reply)
+                if not reply.content_type.startswith(SSE_TYPE):
+                    body = await reply.read()
+                    return Answer(reply.status, reply.content_type, body, raw_headers=head)
+            stream = self._relay(reply, inst, trace)
+            is_handed_off = True  # the relay closes the reply and releases the instance
+            return Answer(reply.status, reply.content_type, stream=stream, raw_headers=head)
+        except TimeoutError:
+            error = UpstreamError(self.stage, inst.url, "timeout", f"no answer in {timeout_s}s")
+            raise StageFailed(self.stage, inst, error=error) from None
+        except UpstreamError as exc:
+            raise StageFailed(self.stage, inst, error=exc) from None
+        finally:
+            trace.timed("passthrough", started)
+            if not is_handed_off:
+                inst.outstanding -= 1
+                if reply is not None:
+                    await reply.close()
+
+    async def _relay(self, reply: Reply, inst: Instance, trace: Trace
+                     ) -> AsyncIterator[bytes]:
+        """The stream's bytes as they come; a stall or a break ends it with an error event."""
+        idle_s = self.config.stream_idle_timeout_s
+        chunks = reply.chunks().__aiter__()
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(idle_s):
+                        chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                yield chunk
+        except TimeoutError:
+            trace.notes.append("stream_idle_timeout=1")
+            yield error_event(f"{self.stage} instance {inst.url}: no data in {idle_s}s")
+        except UpstreamError as exc:
+            trace.notes.append("stream_broken=1")
+            yield error_event(str(exc))
+        finally:
+            inst.outstanding -= 1
+            await reply.close()

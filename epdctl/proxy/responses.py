@@ -1,0 +1,96 @@
+"""The Responses API (`POST /v1/responses`): its media parts, E's view of them, PD's body.
+
+vLLM 0.32 reads `input_text` and `input_image` parts (an `image_url` string, a `uuid` kept);
+it has no parser for `input_file`, so such parts go to PD untouched and PD answers for them.
+Its Responses schema takes no `*_embeds` parts, so there is no metadata rewrite here: PD
+gets each image with its key and loads E's encoding from the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from epdctl.proxy.errors import bad_request
+from epdctl.proxy.routing import MM_KWARGS, MediaItem, with_ec_params
+
+MEDIA_PART = "input_image"
+
+
+def check_input(value: object) -> None:
+    """`input`: a string, or a list of items whose media parts the proxy can read."""
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list) or not value:
+        raise bad_request("`input` must be a string or a non-empty list", "input")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise bad_request(f"input[{i}] must be an object", "input")
+        content = item.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"input[{i}].content must be a string or a list", "input")
+        for j, part in enumerate(content):
+            where = f"input[{i}].content[{j}]"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise bad_request(f"{where} must be an object with a string `type`", "input")
+            if part["type"] != MEDIA_PART:
+                continue
+            for key in ("image_url", "uuid"):
+                if part.get(key) is not None and not isinstance(part[key], str):
+                    raise bad_request(f"{where}.{key} must be a string", "input")
+
+
+def find_media(body: dict[str, Any]) -> list[MediaItem]:
+    """Every `input_image` with an `image_url` in a (checked) body, in order."""
+    items: list[MediaItem] = []
+    inputs = body.get("input")
+    if not isinstance(inputs, list):
+        return items
+    for i, item in enumerate(inputs):
+        content = item.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if part["type"] == MEDIA_PART and isinstance(part.get("image_url"), str):
+                items.append(MediaItem(i, j, MEDIA_PART, "image", part["image_url"],
+                                       part.get("uuid") or None))
+    return items
+
+
+def encoder_view(body: dict[str, Any], items: list[MediaItem]
+                 ) -> tuple[dict[str, Any], list[MediaItem]]:
+    """A chat body holding the (keyed) items as `image_url` parts, and items pointing into it:
+    E is sent what it is sent for chat, so its key is the one PD computes for the input."""
+    parts = [{"type": "image_url", "image_url": {"url": it.ref}} for it in items]
+    view: dict[str, Any] = {"messages": [{"role": "user", "content": parts}]}
+    for key in ("model", *MM_KWARGS):
+        if body.get(key) is not None:
+            view[key] = body[key]
+    moved = [dataclasses.replace(it, msg=0, part=n, part_type="image_url")
+             for n, it in enumerate(items)]
+    return view, moved
+
+
+def pd_body(body: dict[str, Any], items: list[MediaItem], params: dict[str, Any]
+            ) -> dict[str, Any]:
+    """A copy of body whose images carry their keys (and the fetched bytes), plus E's
+    transfer params; the client's body is not touched."""
+    inputs = list(body["input"])
+    for it in items:
+        if it.uuid is None:
+            continue
+        if inputs[it.msg] is body["input"][it.msg]:
+            inputs[it.msg] = {**inputs[it.msg], "content": list(inputs[it.msg]["content"])}
+        part = {**inputs[it.msg]["content"][it.part], "uuid": it.uuid}
+        if it.data_url is not None:
+            part["image_url"] = it.data_url
+        inputs[it.msg]["content"][it.part] = part
+    return with_ec_params({**body, "input": inputs}, params)
+
+
+def needs_prefill(body: dict[str, Any]) -> bool:
+    """False for what only the final instance can run: a continuation of a response it
+    stored (P never saw it), or a background response (answered before it is generated)."""
+    return not body.get("previous_response_id") and not body.get("background")
