@@ -17,6 +17,10 @@ PROXY_ROLE = "proxy"
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 EC_FLAG = "--ec-transfer-config"
 KV_FLAG = "--kv-transfer-config"
+PROBE_PATHS = ("/health", "/metrics")
+"""What epdctl (readiness, the proxy's health loop, `top`) and Kubernetes poll on an engine."""
+QUIET_FLAG = "--disable-access-log-for-endpoints"
+LOG_REQUESTS_FLAG = "--enable-log-requests"
 
 
 def transfer_args(ec_config: Mapping[str, Any] | None,
@@ -67,6 +71,10 @@ class LaunchSpec:
     ec_ports: tuple[int, ...] = ()
     """Ports the EC connector binds (ECMooncakeConnector consumers: one per TP rank from
     ec_port; ECCPUConnector producers: the side channel)."""
+    quiet_paths: tuple[str, ...] = ()
+    """Paths the engine leaves out of its access log (the probes)."""
+    log_requests: bool = False
+    """The engine logs each request's id (`engine.log_requests`)."""
 
     @property
     def is_proxy(self) -> bool:
@@ -82,6 +90,10 @@ class LaunchSpec:
             flags += ["--tensor-parallel-size", str(self.tensor_parallel)]
         if self.gpu_memory_utilization is not None:
             flags += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.quiet_paths:
+            flags += [QUIET_FLAG, ",".join(self.quiet_paths)]
+        if self.log_requests:
+            flags.append(LOG_REQUESTS_FLAG)
         return flags
 
     @property

@@ -48,6 +48,8 @@ class SpecModel(BaseModel):
     side_channel_port: int | None = None
     start_after: list[str] = []
     ec_ports: list[int] = []
+    quiet_paths: list[str] = []
+    log_requests: bool = False
 
     @classmethod
     def of(cls, spec: LaunchSpec) -> SpecModel:
