@@ -22,6 +22,7 @@ from epdctl.launcher import (
     spawn,
     stop_all,
 )
+from epdctl.logs.stamps import Stamper
 from epdctl.readiness import STARTUP_TIMEOUT_S, is_ready, judge
 from epdctl.shm import mapped_files, release
 from epdctl.spec import LaunchSpec
@@ -62,6 +63,9 @@ class Supervisor:
         self.slots = [_Slot(s.spec()) for s in state.specs]
         self.signals: list[int] = []
         self._janitor_at = 0.0
+        # When each log line was written, for `epdctl logs` (engines write their logs directly).
+        self._stamper = Stamper([*(s.spec.log_path for s in self.slots),
+                                 sdir.logs_dir / "supervisor.log"])
 
     def run(self) -> int:
         """Supervise until a signal (returns 130/143) or a failure (raises, all stopped)."""
@@ -87,6 +91,7 @@ class Supervisor:
         procs = [s.proc for s in reversed(self.slots) if s.proc is not None]
         # A second Ctrl+C (or SIGTERM after one) skips the grace period.
         result = stop_all(procs, self.stop_timeout_s, should_force=lambda: len(self.signals) > 1)
+        self._stamper.tick(force=True)  # the lines written while stopping
         self.state.killed = result.killed
         for record in self.state.records.values():
             release(record.shm_files)
@@ -106,6 +111,7 @@ class Supervisor:
             self._check_exits()
             self._start_due()
             self._probe()
+            self._stamper.tick()
             if self.state.phase == "starting":
                 if all(self._state(s) == "ready" for s in self.slots):
                     self.state.phase = "running"
