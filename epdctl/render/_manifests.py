@@ -24,6 +24,7 @@ LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 CONFIG_DIR = "/etc/epdctl"
 # Topology fields added after the checksum below was first rendered.
 LATER_CACHE_FIELDS = ("connector", "extra_config")
+LATER_ENGINE_FIELDS = ("log_requests",)
 
 Obj = dict[str, Any]
 
@@ -125,7 +126,9 @@ def _engine_pod(role: EngineRole, image: str, argv: list[str], env: list[Obj],
 def _template(topology: Topology, role: str, pod: Obj, extra: Mapping[str, str] = {}) -> Obj:
     # The checksum changes the pod template when the topology does, so pods roll on apply.
     # Fields added since count only when set, so an unchanged topology keeps its checksum.
-    later = {"cache": {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set}}
+    later = {"cache": {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set},
+             "engine": {f for f in LATER_ENGINE_FIELDS
+                        if f not in topology.engine.model_fields_set}}
     digest = hashlib.sha256(topology.model_dump_json(exclude=later).encode()).hexdigest()[:16]
     return {
         "metadata": {"labels": {**labels(topology, role), **extra},
