@@ -133,3 +133,22 @@ def gpu_names() -> list[str]:
     with _nvml() as nvml:
         return [_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(index)))
                 for index in range(nvml.nvmlDeviceGetCount())]
+
+
+def process_memory() -> dict[int, int]:
+    """GPU memory in use per process id, over every GPU NVML sees ({} without NVML)."""
+    used: dict[int, int] = {}
+    try:
+        with _nvml() as nvml:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                try:
+                    procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                except nvml.NVMLError:
+                    continue  # e.g. not supported on this device
+                for proc in procs:
+                    if proc.usedGpuMemory is not None:  # None where the driver hides it
+                        used[proc.pid] = used.get(proc.pid, 0) + int(proc.usedGpuMemory)
+    except PlanError:
+        return {}
+    return used

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from epdctl import ec_connectors as ec_conn
 from epdctl.engines.guard import KEY_ENV
 from epdctl.errors import PlanError
 from epdctl.proxy.config import ProxyConfig
-from epdctl.spec import HOST, PROXY_ROLE, LaunchSpec, Plan
+from epdctl.spec import HOST, PROBE_PATHS, PROXY_ROLE, LaunchSpec, Plan
 from epdctl.topology import (
     NAMESPACE_FLAGS,
     ROLE_NAMES,
@@ -35,6 +36,8 @@ CPU_ENGINE_COMMAND = ("{python}", "-m", "epdctl.engines.vllm_cpu", "serve")
 GPU_ENGINE_COMMAND = ("vllm", "serve")
 PROXY_COMMAND = ("{python}", "-m", "epdctl.proxy")
 PROXY_NAME = "proxy"
+# vLLM 0.16 added --disable-access-log-for-endpoints (vllm-project/vllm#30011).
+QUIET_PROBES_SINCE = (0, 16)
 # The proxy's URL flag for each role's instances.
 PROXY_ROLE_FIELD = {"encode": "encode", "prefill_decode": "pd", "prefill": "prefill",
                     "decode": "decode"}
@@ -65,6 +68,12 @@ def compute_namespace(topology: Topology, vllm_version: str) -> str:
         material["connector"] = topology.cache.connector
     digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
     return f"{topology.name}-{digest[:12]}"
+
+
+def has_quiet_probes(vllm_version: str) -> bool:
+    """Whether that vLLM can leave the probes out of its access log (unknown: assume so)."""
+    parts = re.match(r"(\d+)\.(\d+)", vllm_version)
+    return parts is None or (int(parts[1]), int(parts[2])) >= QUIET_PROBES_SINCE
 
 
 def _visible(count: int) -> str:
@@ -239,6 +248,7 @@ def plan(
         if has_e else 0 for name, _ in order
     ], {topology.proxy.port, *http_ports, *kv_ports}, "ports -> side_channel_base")
     command = _engine_command(topology, python)
+    quiet = PROBE_PATHS if has_quiet_probes(vllm_version) else ()
     owners: dict[str, list[tuple[str, str, Role]]] = {}
     last_user: dict[str, str] = {}
     specs: list[LaunchSpec] = []
@@ -283,6 +293,7 @@ def plan(
             gpu_memory_utilization=role.gpu_memory_utilization, ec_config=ec, kv_config=kv,
             env=env, gpus=devices, side_channel_port=side, start_after=tuple(after),
             ec_ports=ec_blocks[index], is_key_required=is_key_required,
+            quiet_paths=quiet, log_requests=topology.engine.log_requests,
         ))
     _check_sharing(owners)
     proxy = _proxy_spec(topology, state_dir, specs, python,

@@ -22,6 +22,10 @@ KV_FLAG = "--kv-transfer-config"
 # What a shown command line prints instead of the secret (the value lives in state.json).
 SECRET_ENV = {KEY_ENV: "<internal>", UPSTREAM_KEY_ENV: "<internal>",
               API_KEY_ENV: "<proxy.api_key>"}
+PROBE_PATHS = ("/health", "/metrics")
+"""What epdctl (readiness, the proxy's health loop, `top`) and Kubernetes poll on an engine."""
+QUIET_FLAG = "--disable-access-log-for-endpoints"
+LOG_REQUESTS_FLAG = "--enable-log-requests"
 
 
 def transfer_args(ec_config: Mapping[str, Any] | None,
@@ -75,6 +79,10 @@ class LaunchSpec:
     is_key_required: bool = False
     """Answer only requests with the internal key ($VLLM_API_KEY), on every route but
     /health (epdctl.engines.guard): set when the proxy has an api_key."""
+    quiet_paths: tuple[str, ...] = ()
+    """Paths the engine leaves out of its access log (the probes)."""
+    log_requests: bool = False
+    """The engine logs each request's id (`engine.log_requests`)."""
 
     @property
     def is_proxy(self) -> bool:
@@ -92,6 +100,10 @@ class LaunchSpec:
             flags += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.is_key_required:
             flags += ["--middleware", MIDDLEWARE]
+        if self.quiet_paths:
+            flags += [QUIET_FLAG, ",".join(self.quiet_paths)]
+        if self.log_requests:
+            flags.append(LOG_REQUESTS_FLAG)
         return flags
 
     @property

@@ -50,6 +50,8 @@ class SpecModel(BaseModel):
     start_after: list[str] = []
     ec_ports: list[int] = []
     is_key_required: bool = False
+    quiet_paths: list[str] = []
+    log_requests: bool = False
 
     @classmethod
     def of(cls, spec: LaunchSpec) -> SpecModel:

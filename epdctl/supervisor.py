@@ -22,6 +22,7 @@ from epdctl.launcher import (
     spawn,
     stop_all,
 )
+from epdctl.logs.stamps import Stamper
 from epdctl.private import open_append
 from epdctl.readiness import STARTUP_TIMEOUT_S, is_ready, judge
 from epdctl.shm import mapped_files, release
@@ -64,6 +65,9 @@ class Supervisor:
         self.signals: list[int] = []
         self._janitor_at = 0.0
         self._janitor_error = ""  # said once, not every pass
+        # When each log line was written, for `epdctl logs` (engines write their logs directly).
+        self._stamper = Stamper([*(s.spec.log_path for s in self.slots),
+                                 sdir.logs_dir / "supervisor.log"])
 
     def run(self) -> int:
         """Supervise until a signal (returns 130/143) or a failure (raises, all stopped)."""
@@ -89,6 +93,7 @@ class Supervisor:
         procs = [s.proc for s in reversed(self.slots) if s.proc is not None]
         # A second Ctrl+C (or SIGTERM after one) skips the grace period.
         result = stop_all(procs, self.stop_timeout_s, should_force=lambda: len(self.signals) > 1)
+        self._stamper.tick(force=True)  # the lines written while stopping
         self.state.killed = result.killed
         for record in self.state.records.values():
             release(record.shm_files)
@@ -108,6 +113,7 @@ class Supervisor:
             self._check_exits()
             self._start_due()
             self._probe()
+            self._stamper.tick()
             if self.state.phase == "starting":
                 if all(self._state(s) == "ready" for s in self.slots):
                     self.state.phase = "running"

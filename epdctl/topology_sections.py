@@ -87,6 +87,10 @@ class Engine(BaseModel):
     """Arguments given to every instance, after the model (numbers are written as text)."""
     env: dict[str, str] = {}
     """Environment given to every instance."""
+    log_requests: Bool = False
+    """vLLM logs each request's id as it arrives (`--enable-log-requests`), so that
+    `epdctl logs --request ID` finds the request's E, P and D lines; two lines per
+    sub-request, so off by default."""
 
 
 class Cache(BaseModel):

@@ -13,7 +13,7 @@ import pytest
 
 from epdctl import cache
 from epdctl.errors import PlanError, TopologyError
-from epdctl.plan import LaunchSpec, Plan, compute_namespace, flag_value, plan
+from epdctl.plan import LaunchSpec, Plan, compute_namespace, flag_value, has_quiet_probes, plan
 from epdctl.topology import Topology, load_topology, parse_topology
 
 ROOT = Path(__file__).parent.parent
@@ -108,6 +108,7 @@ def test_1e1pd_exact() -> None:
                                    VLLM)
     common = ["--dtype", "bfloat16", "--max-model-len", "16384", "--limit-mm-per-prompt",
               '{"image": 4, "video": 0}', "--mm-processor-kwargs", '{"max_pixels": 1003520}']
+    quiet = ["--disable-access-log-for-endpoints", "/health,/metrics"]
 
     def ec(role: str, name: str) -> str:
         return (
@@ -117,12 +118,12 @@ def test_1e1pd_exact() -> None:
         )
 
     assert encode.argv == (
-        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100", *common,
+        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100", *quiet, *common,
         "--enforce-eager", "--max-num-batched-tokens", "114688", "--max-num-seqs", "128",
         "--ec-transfer-config", ec("ec_producer", "encode-0"),
     )
     assert pd.argv == (
-        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8101", *common,
+        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8101", *quiet, *common,
         "--max-num-seqs", "128", "--ec-transfer-config", ec("ec_consumer", "pd-0"),
     )
     assert encode.env == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -333,6 +334,29 @@ def test_cpu_plan() -> None:
     assert _json_flag(decode, "--ec-transfer-config")["ec_role"] == "ec_consumer"
     few = _plan(topology, cpu_count=2, visible_gpus=[])
     assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in few.instances] == ["0", "1", "0"]
+
+
+def test_probes_stay_out_of_the_access_log_where_vllm_can_do_it() -> None:
+    topology = _topology({"encode": {}, "prefill_decode": {}})
+    for spec in _plan(topology).instances:
+        assert flag_value(spec.argv, "--disable-access-log-for-endpoints") == "/health,/metrics"
+        assert "--enable-log-requests" not in spec.argv
+    for old in ("0.15.1", "0.9.2"):
+        assert all("--disable-access-log-for-endpoints" not in s.argv
+                   for s in _plan(topology, vllm_version=old).specs)
+    assert has_quiet_probes("unknown") and has_quiet_probes("0.32.0+cpu")
+    assert "--disable-access-log-for-endpoints" not in _plan(topology).proxy.argv
+
+
+def test_log_requests_turns_on_vllm_request_logging_on_every_engine() -> None:
+    topology = _topology({"encode": {}, "prefill": {}, "decode": {}},
+                         engine={"log_requests": True, "args": ["--dtype", "half"]})
+    result = _plan(topology)
+    assert all(s.argv.count("--enable-log-requests") == 1 for s in result.instances)
+    assert "--enable-log-requests" not in result.proxy.argv
+    # The topology's own args come later, so they can still override epdctl's flags.
+    encode = result.instances[0]
+    assert encode.argv.index("--enable-log-requests") < encode.argv.index("--dtype")
 
 
 def test_user_env_and_command_win() -> None:

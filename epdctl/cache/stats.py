@@ -93,3 +93,14 @@ def read_stats(ns_dir: str | os.PathLike[str]) -> tuple[Counter[str], Counter[st
         except (OSError, ValueError, TypeError, AttributeError):
             continue  # a writer's file being replaced or damaged: skip it
     return counts, key_hits
+
+
+def read_writers(ns_dir: str | os.PathLike[str]) -> dict[str, Counter[str]]:
+    """Each writer's counters by its file's name (`<engine id>-<side>`), for `epdctl top`."""
+    result: dict[str, Counter[str]] = {}
+    for path in (Path(ns_dir) / STATS).glob("*.json"):
+        try:
+            result[path.stem] = Counter(json.loads(path.read_bytes()).get("counts", {}))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+    return result

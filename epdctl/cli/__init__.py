@@ -17,6 +17,7 @@ from epdctl.cli.down import down
 from epdctl.cli.logs import logs
 from epdctl.cli.render import render
 from epdctl.cli.status import status
+from epdctl.cli.top import top
 from epdctl.cli.up import up
 from epdctl.cli.verify import verify
 from epdctl.errors import EpdctlError
@@ -59,7 +60,8 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     \b
     epdctl up topologies/cpu-demo.yaml -d   start it (detached)
     epdctl status                           what runs, and is it ready
-    epdctl logs -f                          all instances' logs, multiplexed
+    epdctl logs -f                          all instances' logs, in time order
+    epdctl top                              requests, latencies, cache hits, live
     epdctl cache inspect                    the shared-memory encoder cache
     epdctl down                             stop everything
     """
@@ -69,7 +71,7 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     ctx.obj = app
 
 
-for command in (up, down, status, logs, cache, verify, bench, render, doctor):
+for command in (up, down, status, logs, top, cache, verify, bench, render, doctor):
     cli.add_command(command)
 
 

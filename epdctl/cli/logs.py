@@ -1,30 +1,97 @@
-"""`epdctl logs`: every instance's log, multiplexed with a prefix; -f follows."""
+"""`epdctl logs`: every instance's log in time order with true times; -f follows, --request
+follows one request across the proxy and the instances."""
 
 from __future__ import annotations
 
+import re
 import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from epdctl.cli._app import App, pass_app
 
+if TYPE_CHECKING:
+    from epdctl.logs import Writer
+    from epdctl.state import RunState, StateDir
+
+DEFAULT_LINES = 10
+HINT = ("instances name requests in their logs only with `engine.log_requests: true` in the "
+        "topology (vLLM's --enable-log-requests)")
+
+
+def _age(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    from epdctl.topology import parse_duration
+
+    try:
+        return None if value is None else parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _pattern(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    try:
+        return None if value is None else re.compile(value)
+    except re.error as exc:
+        raise click.BadParameter(f"not a regular expression: {exc}") from None
+
 
 @click.command()
 @click.argument("instances", nargs=-1, metavar="[INSTANCE]...")
 @click.option("-f", "--follow", "should_follow", is_flag=True, help="Keep printing new lines.")
-@click.option("-n", "--lines", "lines", type=click.IntRange(min=0), default=10, show_default=True,
-              help="Lines of history per instance.")
+@click.option("-n", "--lines", "lines", type=click.IntRange(min=0), default=None,
+              help=f"Lines of history per instance  [default: {DEFAULT_LINES}; all with "
+                   "--since or --request]")
+@click.option("--since", "since_s", callback=_age, metavar="AGE",
+              help="Only lines of the last AGE (10m, 90s, 2h).")
+@click.option("--grep", "pattern", callback=_pattern, metavar="PATTERN",
+              help="Only lines matching this regular expression.")
+@click.option("--all", "show_probes", is_flag=True,
+              help="Also the access lines of health and metrics probes.")
+@click.option("--request", "request_id", metavar="ID",
+              help="One request: the proxy's line, then every line naming it, in time order "
+                   "(its x-request-id or response id).")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per line: time, instance, text, time_source.")
 @click.option("--name", "name", metavar="NAME|FILE",
               help="Topology name or file; default: the only one under the state dir.")
 @pass_app
-def logs(app: App, instances: tuple[str, ...], should_follow: bool, lines: int,
-         name: str | None) -> None:
-    """Print instance logs, multiplexed as `time instance | line`"""
-    from epdctl.errors import EpdctlError, NotRunningError, StateError
-    from epdctl.logs import Printer, follow, show, wants_colour
-    from epdctl.state import RunState, find_state_dir
+def logs(app: App, instances: tuple[str, ...], should_follow: bool, lines: int | None,
+         since_s: float | None, pattern: re.Pattern[str] | None, show_probes: bool,
+         request_id: str | None, as_json: bool, name: str | None) -> None:
+    """Print instance logs in time order, as `time instance | line`"""
+    from epdctl.logs import JsonPrinter, Printer, follow, matcher, show, wants_colour
+    from epdctl.state import find_state_dir
 
+    if request_id is not None and should_follow:
+        raise click.UsageError("--request and --follow do not go together")
     sdir = find_state_dir(app.state_root, name, past_runs=True)
+    state, order = _instances(sdir)
+    shown = list(instances) or order
+    out = sys.stdout
+    printer: Writer = JsonPrinter(out) if as_json else Printer(
+        order, out, is_colour=wants_colour(out, app.color), shown=shown)
+    files = [(n, sdir.logs_dir / f"{n}.log") for n in shown]
+    if request_id is not None:
+        _journey(app, printer, files, request_id, state, sdir.logs_dir)
+        return
+    since = None if since_s is None else time.time() - since_s
+    match = matcher(show_probes=show_probes, pattern=pattern, since=since)
+    count = lines if lines is not None else None if since is not None else DEFAULT_LINES
+    show(printer, files, count, match, since)
+    if should_follow:
+        try:
+            follow(printer, files, matcher(show_probes=show_probes, pattern=pattern))
+        except KeyboardInterrupt:
+            pass
+
+
+def _instances(sdir: StateDir) -> tuple[RunState | None, list[str]]:
+    """The run's state (None if gone) and every log's name, in topology order."""
+    from epdctl.errors import EpdctlError, NotRunningError, StateError
+
     state: RunState | None
     try:
         state = sdir.read()
@@ -38,17 +105,24 @@ def logs(app: App, instances: tuple[str, ...], should_follow: bool, lines: int,
         order.append("supervisor")
     if not order:
         raise NotRunningError(f"no logs in {sdir.logs_dir}")
-    unknown = [i for i in instances if i not in order]
+    unknown = [i for i in click.get_current_context().params["instances"] if i not in order]
     if unknown:
         raise EpdctlError(f"no instance `{unknown[0]}` in {sdir.path.name} "
                           f"(instances: {', '.join(order)})")
-    shown = list(instances) or order
-    out = sys.stdout
-    printer = Printer(order, out, is_colour=wants_colour(out, app.color), shown=shown)
-    files = [(n, sdir.logs_dir / f"{n}.log") for n in shown]
-    show(printer, files, lines)
-    if should_follow:
-        try:
-            follow(printer, files)
-        except KeyboardInterrupt:
-            pass
+    return state, order
+
+
+def _journey(app: App, printer: Writer, files: list[tuple[str, Path]], request_id: str,
+             state: RunState | None, logs_dir: Path) -> None:
+    from epdctl.errors import EpdctlError
+    from epdctl.logs.journey import find
+
+    journey = find(files, request_id)
+    if not journey.summary and not journey.lines:
+        raise EpdctlError(f"no line of {logs_dir} names request `{request_id}`")
+    for line in [*journey.summary, *journey.lines]:
+        printer.write(line)
+    engines = {s.name for s in state.engines} if state is not None else set()
+    if state is not None and not any(line.instance in engines for line in journey.lines) and (
+            not any(s.log_requests for s in state.engines)):
+        app.err.print(f"Note: {HINT}.", markup=False, highlight=False)

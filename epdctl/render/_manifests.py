@@ -25,6 +25,7 @@ LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 CONFIG_DIR = "/etc/epdctl"
 # Topology fields added after the checksum below was first rendered.
 LATER_CACHE_FIELDS = ("connector", "extra_config")
+LATER_ENGINE_FIELDS = ("log_requests",)
 
 Obj = dict[str, Any]
 
@@ -127,9 +128,11 @@ def _template(topology: Topology, role: str, pod: Obj, extra: Mapping[str, str] 
     # The checksum changes the pod template when the topology does, so pods roll on apply.
     # Fields added since count only when set, so an unchanged topology keeps its checksum;
     # not cache.dir: unused in the cluster, and its default differs per user (uid).
-    later = {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set}
-    dump = topology.model_dump_json(exclude={"cache": later | {"dir"}})
-    digest = hashlib.sha256(dump.encode()).hexdigest()[:16]
+    later = {"cache": {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set}
+             | {"dir"},
+             "engine": {f for f in LATER_ENGINE_FIELDS
+                        if f not in topology.engine.model_fields_set}}
+    digest = hashlib.sha256(topology.model_dump_json(exclude=later).encode()).hexdigest()[:16]
     return {
         "metadata": {"labels": {**labels(topology, role), **extra},
                      "annotations": {"epdctl/topology-sha256": digest}},

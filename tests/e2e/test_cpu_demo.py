@@ -6,8 +6,11 @@ the instances refuse anything that comes straight to them without the run's inte
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +26,14 @@ from tests.e2e.topology_run import (
     wait_for,
     write_topology,
 )
-from tests.vllm_harness import Server, chat, chat_messages, image_data_url, make_image
+from tests.vllm_harness import (
+    Server,
+    chat,
+    chat_completion,
+    chat_messages,
+    image_data_url,
+    make_image,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-llava"
@@ -161,6 +171,106 @@ def test_the_instances_refuse_requests_that_go_around_the_proxy(
     logs = [p.read_text(errors="replace") for p in (run.run_dir / "logs").iterdir()]
     for text in [r.stdout + r.stderr for r in shown] + logs:
         assert KEY not in text and internal not in text
+
+
+@pytest.fixture(scope="module")
+def dozen(demo: tuple[TopologyRun, Server]) -> dict[str, Any]:
+    """A dozen requests through the proxy (8 with an image), each salted so that PD takes
+    every image from the EC store; their response ids, and the store's hits before them."""
+    run, _ = demo
+    hits_before = _active_namespace(run)["hits"]
+    ids: dict[str, list[str]] = {"image": [], "text": []}
+    for i in range(12):
+        urls = [image_data_url(make_image(60 + i % 4))] if i % 3 else []
+        response = chat_completion(run.proxy_url, MODEL, image_urls=urls, max_tokens=4,
+                                   api_key=KEY, extra_body={"cache_salt": f"dozen-{i}"})
+        ids["image" if urls else "text"].append(response.id)
+    return {"ids": ids, "hits_before": hits_before}
+
+
+def _active_namespace(run: TopologyRun) -> dict[str, Any]:
+    doc = run.cli_json("cache", "inspect")
+    return next(ns for ns in doc["namespaces"] if ns["active"])
+
+
+def test_logs_hold_no_probe_line(demo: tuple[TopologyRun, Server], dozen: dict) -> None:
+    """vLLM leaves the probes out (the plan's --disable-access-log-for-endpoints): the
+    supervisor, the proxy's health loop and `top` poll /health and /metrics all along."""
+    run, _ = demo
+    result = run.cli("logs", "-n", "20")
+    assert result.returncode == 0, result.stderr
+    rows = result.stdout.splitlines()
+    assert len(rows) >= 20 and not [r for r in rows if "GET /health" in r or "/metrics" in r]
+    assert any('"POST /v1/chat/completions HTTP/1.1" 200' in r for r in rows)
+    for name in INSTANCES:
+        log = run.log(name)
+        assert "--disable-access-log-for-endpoints /health,/metrics" in log.splitlines()[0]
+        assert '"GET /health HTTP' not in log and '"GET /metrics HTTP' not in log, name
+
+
+@pytest.mark.parametrize("form", ["response id", "x-request-id"])
+def test_one_image_request_s_journey(demo: tuple[TopologyRun, Server], dozen: dict,
+                                     form: str) -> None:
+    """`logs --request ID`: the proxy's line with its stage timings, then E's lines for the
+    request, then PD's, in time order."""
+    run, _ = demo
+    response_id = dozen["ids"]["image"][1]  # chatcmpl-<rid>: vLLM's id for the client's rid
+    rid = response_id.removeprefix("chatcmpl-")
+    result = run.cli("logs", "--request", response_id if form == "response id" else rid,
+                     "--json")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(row) for row in result.stdout.splitlines()]
+    first, rest = lines[0], lines[1:]
+    assert first["instance"] == "proxy" and f"rid={rid} route=/v1/chat/completions" in (
+        first["text"])
+    assert "status=200" in first["text"] and "encode_ms=" in first["text"] and (
+        "items=1" in first["text"])
+    names = [line["instance"] for line in rest]
+    assert names == sorted(names, key=["encode-0", "pd-0"].index), names  # E, then PD
+    assert all(f"chatcmpl-{rid}:enc0" in line["text"] for line in rest
+               if line["instance"] == "encode-0")
+    assert all(f"chatcmpl-{rid}" in line["text"] for line in rest
+               if line["instance"] == "pd-0")
+    assert {"encode-0", "pd-0"} <= set(names)
+    times = [line["time"] for line in rest]
+    assert times == sorted(times) and all(line["time_source"] == "own" for line in lines)
+    assert result.stderr == ""
+
+
+def test_top_once_reports_what_metrics_and_cache_inspect_show(
+        demo: tuple[TopologyRun, Server], dozen: dict) -> None:
+    from epdctl.top.prom import Scrape
+
+    run, _ = demo
+    images = len(dozen["ids"]["image"])
+    # The store's counters are flushed once a second: wait for the dozen's hits.
+    assert wait_for(lambda: _active_namespace(run)["hits"] >= dozen["hits_before"] + images,
+                    timeout_s=10)
+    doc = run.cli_json("top", "--once")
+    state = run.state()
+    def scrape(url: str, key: str | None) -> Scrape:
+        request = urllib.request.Request(f"{url}/metrics",
+                                         headers={"authorization": f"Bearer {key}"})
+        return Scrape(urllib.request.urlopen(request).read().decode())
+
+    proxy = scrape(state.proxy.url, KEY)
+    encoder = scrape(state.engines[0].url, state.internal_key)
+    assert doc["proxy"]["requests"] == proxy.total("epdctl_proxy_requests_total") >= 12
+    fanout = proxy.histogram("epdctl_proxy_encoder_fanout_items")
+    assert fanout is not None
+    assert doc["proxy"]["encoder_fanout"]["items"] == fanout.sum >= images
+    assert doc["proxy"]["encoder_fanout"]["requests"] == fanout.total
+    encode = doc["instances"][0]
+    assert encode["name"] == "encode-0"
+    assert encode["requests"] == encoder.total("vllm:request_success_total") >= images
+    assert doc["proxy"]["stages"]["encode"]["p50_s"] > 0
+    namespace = _active_namespace(run)
+    assert (doc["cache"]["hits"], doc["cache"]["saves"], doc["cache"]["entries"]) == (
+        namespace["hits"], namespace["saves"], namespace["entries"])
+    assert doc["cache"]["hits"] >= dozen["hits_before"] + images
+    pd = doc["instances"][1]
+    assert (pd["cache"]["hits"], pd["cache"]["misses"]) == (namespace["hits"],
+                                                             namespace["misses"])
 
 
 def test_logs_show_every_instance(demo: tuple[TopologyRun, Server]) -> None:

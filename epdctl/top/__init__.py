@@ -1,0 +1,1 @@
+"""`epdctl top`: sample (sources), summary (figures), view (screen), prom (parsing)."""
