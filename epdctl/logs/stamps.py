@@ -15,6 +15,8 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from epdctl.private import open_append
+
 STAMP_INTERVAL_S = 1.0
 SLACK_S = STAMP_INTERVAL_S + 0.5
 """How long before its note a line may have been written (an interval, a tick, a delay)."""
@@ -46,8 +48,8 @@ class Stamper:
                 continue
             self.sizes[path] = size
             try:
-                with open(stamps_path(path), "a") as f:
-                    f.write(f"{size} {now:.3f}\n")
+                with open_append(stamps_path(path)) as f:  # 0600, as the log itself
+                    f.write(f"{size} {now:.3f}\n".encode())
             except OSError:
                 pass  # times are best effort; a log is never lost for them
 
