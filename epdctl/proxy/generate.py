@@ -201,7 +201,8 @@ class Generator:
             if in_stream is not None and may_fall_back:  # else vLLM's own stream, as it is
                 raise StageFailed(stage, inst, status=error_status(in_stream),
                                   body=json.dumps(in_stream).encode())
-            stream = self._relay(head, chunks, reply, inst, trace)
+            stream = relay(head, chunks, reply, inst, trace, stage,
+                           self.config.stream_idle_timeout_s)
             is_handed_off = True  # the relay closes the reply and releases the instance
             return Answer(200, reply.content_type, stream=stream)
         except TimeoutError:
@@ -216,29 +217,30 @@ class Generator:
                 if reply is not None:
                     await reply.close()
 
-    async def _relay(self, head: bytes, chunks: AsyncIterator[bytes], reply: Reply,
-                     inst: Instance, trace: Trace) -> AsyncIterator[bytes]:
-        """Raw bytes through, untouched; a later stall or failure ends with an error event."""
-        idle_s = self.config.stream_idle_timeout_s
-        try:
-            if head:
-                yield head
-            while True:
-                try:
-                    async with asyncio.timeout(idle_s):
-                        chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                yield chunk
-        except TimeoutError:
-            trace.notes.append("stream_idle_timeout=1")
-            yield error_event(f"{self.decode_stage} instance {inst.url}: no data in {idle_s}s")
-        except UpstreamError as exc:
-            trace.notes.append("stream_broken=1")
-            yield error_event(str(exc))
-        finally:
-            inst.outstanding -= 1
-            await reply.close()
+
+async def relay(head: bytes, chunks: AsyncIterator[bytes], reply: Reply, inst: Instance,
+                trace: Trace, stage: str, idle_s: float) -> AsyncIterator[bytes]:
+    """A committed stream's raw bytes through, untouched (after `head`, already read); a
+    later stall or failure ends it with an error event. Releases the instance and the reply."""
+    try:
+        if head:
+            yield head
+        while True:
+            try:
+                async with asyncio.timeout(idle_s):
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            yield chunk
+    except TimeoutError:
+        trace.notes.append("stream_idle_timeout=1")
+        yield error_event(f"{stage} instance {inst.url}: no data in {idle_s}s")
+    except UpstreamError as exc:
+        trace.notes.append("stream_broken=1")
+        yield error_event(str(exc))
+    finally:
+        inst.outstanding -= 1
+        await reply.close()
 
 
 async def _peek(chunks: AsyncIterator[bytes]) -> tuple[bytes, dict[str, Any] | None]:

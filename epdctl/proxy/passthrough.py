@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from epdctl.proxy.client import Reply, Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
-from epdctl.proxy.generate import ATTEMPTS, Answer, StageFailed, next_attempt
+from epdctl.proxy.generate import ATTEMPTS, Answer, StageFailed, next_attempt, relay
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.sse import error_event
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Instance, Upstreams
 
@@ -91,7 +90,8 @@ class Passthrough:
                 if not reply.content_type.startswith(SSE_TYPE):
                     body = await reply.read()
                     return Answer(reply.status, reply.content_type, body, raw_headers=head)
-            stream = self._relay(reply, inst, trace)
+            stream = relay(b"", reply.chunks().__aiter__(), reply, inst, trace, self.stage,
+                           self.config.stream_idle_timeout_s)
             is_handed_off = True  # the relay closes the reply and releases the instance
             return Answer(reply.status, reply.content_type, stream=stream, raw_headers=head)
         except TimeoutError:
@@ -106,25 +106,3 @@ class Passthrough:
                 if reply is not None:
                     await reply.close()
 
-    async def _relay(self, reply: Reply, inst: Instance, trace: Trace
-                     ) -> AsyncIterator[bytes]:
-        """The stream's bytes as they come; a stall or a break ends it with an error event."""
-        idle_s = self.config.stream_idle_timeout_s
-        chunks = reply.chunks().__aiter__()
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(idle_s):
-                        chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                yield chunk
-        except TimeoutError:
-            trace.notes.append("stream_idle_timeout=1")
-            yield error_event(f"{self.stage} instance {inst.url}: no data in {idle_s}s")
-        except UpstreamError as exc:
-            trace.notes.append("stream_broken=1")
-            yield error_event(str(exc))
-        finally:
-            inst.outstanding -= 1
-            await reply.close()
