@@ -6,6 +6,7 @@ their running topologies (no topology of its own)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -161,20 +162,24 @@ def _text_delta(event: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def send(base: str, method: str, path: str, body: Any, rid: str) -> httpx.Response:
-    headers = {"x-request-id": rid}
+def send(base: str, method: str, path: str, body: Any, rid: str,
+         key: str | None = None) -> httpx.Response:
+    headers = {"x-request-id": rid, **({"authorization": f"Bearer {key}"} if key else {})}
     kwargs: dict[str, Any] = {"json": body} if not isinstance(body, bytes) else {
         "content": body, "headers": {**headers, "content-type": "application/json"}}
     kwargs.setdefault("headers", headers)
     return httpx.request(method, base + path, timeout=120, **kwargs)
 
 
-def compare(direct: str, proxy: str, missing_url: str) -> dict[str, tuple[int, Any, Any]]:
-    """Every request both ways; the ones that differ (name -> status, direct, proxy)."""
+def compare(direct: str, proxy: str, missing_url: str, *, direct_key: str | None = None,
+            proxy_key: str | None = None) -> dict[str, tuple[int, Any, Any]]:
+    """Every request both ways (each with the key its server wants); the ones that differ
+    (name -> status, direct, proxy). A 401 either way is a broken test, not parity."""
     diffs = {}
     for name, method, path, body in requests(missing_url):
-        theirs = send(direct, method, path, body, f"parity-{name}")
-        mine = send(proxy, method, path, body, f"parity-{name}")
+        theirs = send(direct, method, path, body, f"parity-{name}", direct_key)
+        mine = send(proxy, method, path, body, f"parity-{name}", proxy_key)
+        assert 401 not in (theirs.status_code, mine.status_code), (name, theirs.text, mine.text)
         a, b = body_of(theirs), body_of(mine)
         same_type = theirs.headers.get("content-type") == mine.headers.get("content-type")
         if theirs.status_code != mine.status_code or a != b or not same_type:
@@ -182,7 +187,8 @@ def compare(direct: str, proxy: str, missing_url: str) -> dict[str, tuple[int, A
     return diffs
 
 
-def responses_image_entry(run: TopologyRun, seed: int) -> dict[str, Any] | None:
+def responses_image_entry(run: TopologyRun, seed: int,
+                          api_key: str | None = None) -> dict[str, Any] | None:
     """Send a new image through /v1/responses; its store entry once it has a hit (E saved it
     under the proxy's key, the next stage loaded it), or None."""
     from epdctl.proxy.media import content_key
@@ -190,7 +196,8 @@ def responses_image_entry(run: TopologyRun, seed: int) -> dict[str, Any] | None:
     png = make_image(seed)
     key = content_key("image", png)
     assert cache_entry(run, key) is None, "the image is not new"
-    reply = httpx.post(run.proxy_url + "/v1/responses",
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    reply = httpx.post(run.proxy_url + "/v1/responses", headers=headers,
                        json=image_responses(image_data_url(png)), timeout=120)
     assert reply.status_code == 200, reply.text
     return wait_for(lambda: (e := cache_entry(run, key)) and e["hits"] >= 1 and e)
@@ -218,7 +225,8 @@ def missing_image() -> Iterator[str]:
         server.server_close()
 
 
-def bench(proxy: str, tokenizer: Path, tmp: Path, num_prompts: int = 8) -> tuple[str, dict]:
+def bench(proxy: str, tokenizer: Path, tmp: Path, num_prompts: int = 8,
+          api_key: str | None = None) -> tuple[str, dict]:
     """`vllm bench serve --backend openai-responses --dataset-name random` through the proxy:
     its output and its result file. `--model` is the served name: without it the bench
     asks /tokenize about the card's `root` (a path vLLM does not serve) and skips alignment,
@@ -229,7 +237,9 @@ def bench(proxy: str, tokenizer: Path, tmp: Path, num_prompts: int = 8) -> tuple
             "--random-input-len", "16", "--random-output-len", "4",
             "--num-prompts", str(num_prompts), "--temperature", "0", "--disable-tqdm",
             "--save-result", "--result-dir", str(tmp), "--result-filename", "bench.json"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    # vLLM's bench sends $OPENAI_API_KEY as the bearer token.
+    env = {**os.environ, **({"OPENAI_API_KEY": api_key} if api_key else {})}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     return output, json.loads((tmp / "bench.json").read_text())
