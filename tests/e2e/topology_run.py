@@ -173,7 +173,7 @@ def _stop_leftovers(run: TopologyRun) -> None:
         stop_all(leftovers, 5.0)
 
 
-def wait_for(predicate: Any, timeout_s: float = 5.0, interval_s: float = 0.1) -> Any:
+def wait_for(predicate: Any, timeout_s: float = 30.0, interval_s: float = 0.1) -> Any:
     """Poll until predicate() is truthy (the EC store's counters flush once a second)."""
     deadline = time.monotonic() + timeout_s
     while True:
