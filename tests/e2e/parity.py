@@ -134,14 +134,34 @@ def events(text: str) -> list[Any]:
             continue
         event = normalize(json.loads(data))
         event.pop("sequence_number", None)  # renumbered by the joining
-        piece = _text_delta(event)
+        tail = _final_text(event)
+        piece = _text_delta(event) or tail
         last = out[-1] if out else None
         if piece is not None and isinstance(last, dict) and last.get("delta_kind") == piece[0]:
             last["text"] += piece[1]
-            continue
-        out.append({"event": name, **(event if piece is None else
-                                       {"delta_kind": piece[0], "text": piece[1]})})
+        elif piece is not None:
+            out.append({"event": name, "delta_kind": piece[0], "text": piece[1]})
+        if piece is None or tail is not None:
+            out.append({"event": name, **event})
     return out
+
+
+def _final_text(event: dict[str, Any]) -> tuple[str, str] | None:
+    """(kind, text) taken out of a finishing chunk: how many tokens arrive with the finish
+    is timing too; the chunk stays, with its text emptied."""
+    choices = event.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or choices[0].get("logprobs"):
+        return None
+    choice = choices[0]
+    if choice.get("finish_reason") is None:
+        return None
+    if isinstance(choice.get("delta"), dict) and choice["delta"].get("content"):
+        text, choice["delta"]["content"] = choice["delta"]["content"], ""
+        return "chat", text
+    if isinstance(choice.get("text"), str) and choice["text"] and "delta" not in choice:
+        text, choice["text"] = choice["text"], ""
+        return "text", text
+    return None
 
 
 def _text_delta(event: dict[str, Any]) -> tuple[str, str] | None:
