@@ -151,8 +151,8 @@ def test_killed_encoder(probe: Probe) -> None:
     assert answers == [reference(probe, s) for s in (6, 7, 8)]
     assert wait_for(lambda: probe.status()["encode-0"]["restarts"] == restarts + 1, 30, 0.5)
     # Out of rotation until it is back: the log says so for good, /health only meanwhile.
-    assert probe.wait_logged("proxy", proxy_at, f"ejecting encode instance {probe.urls['encode-0']}",
-                             30)
+    ejected = f"ejecting encode instance {probe.urls['encode-0']}"
+    assert probe.wait_logged("proxy", proxy_at, ejected, 30)
     assert probe.health()[0] == 200  # E is optional: degraded, not unavailable
     for seed in (9, 10):
         assert ask(probe, seed, stream=seed == 10) == reference(probe, seed)
