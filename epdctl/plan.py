@@ -253,7 +253,7 @@ def plan(
             env=env, gpus=devices, side_channel_port=side, start_after=tuple(after),
         ))
     _check_sharing(owners)
-    proxy = _proxy_spec(topology, state_dir, specs, python)
+    proxy = _proxy_spec(topology, state_dir, specs, python, namespace)
     return Plan(
         name=topology.name, mode=topology.mode, state_dir=state_dir, namespace=namespace,
         store_dir=topology.cache.dir / namespace, model_name=topology.model_name,
@@ -261,8 +261,10 @@ def plan(
     )
 
 
-def proxy_config(topology: Topology, instances: Sequence[LaunchSpec]) -> ProxyConfig:
-    """The proxy's knobs: topology.proxy mapped by name (`x` or `x_s`), plus the instances."""
+def proxy_config(topology: Topology, instances: Sequence[LaunchSpec],
+                 namespace: str = "") -> ProxyConfig:
+    """The proxy's knobs: topology.proxy mapped by name (`x` or `x_s`), plus the instances
+    and, given the namespace, the EC store it looks items up in (the store is on this host)."""
     names = {f.name for f in dataclasses.fields(ProxyConfig)}
     knobs: dict[str, Any] = {}
     for key, value in topology.proxy.model_dump().items():
@@ -270,13 +272,15 @@ def proxy_config(topology: Topology, instances: Sequence[LaunchSpec]) -> ProxyCo
     for spec in instances:
         key = PROXY_ROLE_FIELD[spec.role]
         knobs[key] = (*knobs.get(key, ()), spec.url)
+    if namespace and "encode" in topology.roles:
+        knobs.update(store_dir=str(topology.cache.dir), namespace=namespace)
     return ProxyConfig(models=(topology.model_name,), **knobs)
 
 
 def _proxy_spec(
-    topology: Topology, state_dir: Path, specs: list[LaunchSpec], python: str
+    topology: Topology, state_dir: Path, specs: list[LaunchSpec], python: str, namespace: str
 ) -> LaunchSpec:
-    config = proxy_config(topology, specs)
+    config = proxy_config(topology, specs, namespace)
     return LaunchSpec(
         name=PROXY_NAME, role=PROXY_ROLE,
         command=tuple(python if part == "{python}" else part for part in PROXY_COMMAND),

@@ -138,6 +138,9 @@ class Proxy(BaseModel):
     """Bearer token required on every route but /health."""
     metadata_rewrite: Bool = _PROXY["metadata_rewrite"]
     """Replace media by E's `*_embeds` metadata so P/PD skip preprocessing (where supported)."""
+    skip_cached_items: Bool = _PROXY["skip_cached_items"]
+    """Send no item to an encoder whose embeddings are already in the EC store (E's metadata
+    for the rewrite is kept beside the entry)."""
     encode_timeout: Seconds = _PROXY["encode_timeout_s"]
     """Deadline for an encoder's answer to one media item."""
     prefill_timeout: Seconds = _PROXY["prefill_timeout_s"]

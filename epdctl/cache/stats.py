@@ -16,7 +16,17 @@ from epdctl.cache.store import STATS
 FLUSH_INTERVAL_S = 1.0
 # Per-key hit counts kept per writer; older keys fall off so the file stays small.
 MAX_KEYS = 1000
-COUNTERS = ("hits", "misses", "invalid", "saves", "save_failures", "loads", "load_failures")
+COUNTERS = ("hits", "misses", "invalid", "saves", "save_failures", "loads", "load_failures",
+            "lookups", "skipped", "sent")
+"""Engines count hits (per request item) to sent; the proxy counts the last three, per
+distinct media item of a request: looked up in the store, found there (no E sub-request),
+sent to an encoder."""
+
+
+def hit_ratio(counts: Counter[str] | dict[str, float]) -> float | None:
+    """The share of the proxy's store lookups that found the item (None: no lookup yet)."""
+    lookups = counts.get("lookups", 0)
+    return counts.get("skipped", 0) / lookups if lookups else None
 
 
 class StatsWriter:

@@ -185,6 +185,11 @@ class Store:
             return Miss(f"pin failed: {exc.strerror}")
         return Pin(paths, reason)
 
+    def check(self, key: str) -> EntryHeader | Miss:
+        """Validate `key`'s entry as a consumer would, without pinning it (the proxy's look:
+        the entry may still go before anyone loads it)."""
+        return _validate(self.entry_path(key), key, self.namespace, None, None)
+
     def renew(self, pin: Pin) -> Pin:
         """The same pin under fresh names, so the janitor's pin TTL starts again."""
         created = time.time_ns()
@@ -222,6 +227,8 @@ def _validate(
         header = decode_header(head)
     except FormatError as exc:
         return Miss(f"corrupt: {exc}")
+    except FileNotFoundError:
+        return Miss("missing")
     except OSError as exc:
         return Miss(f"unreadable: {exc.strerror}")
     if header.key != key:

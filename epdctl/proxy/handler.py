@@ -14,6 +14,7 @@ from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoder
 from epdctl.proxy.errors import JSON_TYPE, ProxyError
 from epdctl.proxy.generate import Answer, Generator, StageFailed
+from epdctl.proxy.lookup import StoreLookup
 from epdctl.proxy.media import assign_uuids
 from epdctl.proxy.metrics import Metrics, outcome_of
 from epdctl.proxy.mooncake import MooncakeRoute
@@ -63,7 +64,12 @@ class ProxyHandler:
         self.inflight = 0
         self.metrics.inflight.set_function(lambda: self.inflight)  # read at scrape time
         encode_pool = self.upstreams.pools.get("encode")
-        self.encoder = Encoder(config, encode_pool, client, self.metrics) if encode_pool else None
+        self.lookup = None
+        if config.should_look_up:
+            self.lookup = StoreLookup(config.store_dir, config.namespace)
+        self.encoder = None
+        if encode_pool:
+            self.encoder = Encoder(config, encode_pool, client, self.metrics, self.lookup)
         self.generator = Generator(config, self.upstreams, client, self.metrics)
         self.mooncake = None
         if self.encoder is not None and config.ec_protocol == "mooncake":
@@ -77,6 +83,11 @@ class ProxyHandler:
             if name == b"authorization":
                 return hmac.compare_digest(value, self._auth)
         return False
+
+    def close(self) -> None:
+        """Flush what outlives the app (the store counters); __main__ calls it on exit."""
+        if self.lookup is not None:
+            self.lookup.close()
 
     async def run_health_checks(self) -> None:
         """Background probe loop; __main__ runs it as a task beside the server."""
