@@ -55,6 +55,12 @@ class StatsWriter:
             self._thread = threading.Thread(target=self._run, name="epdctl-ec-stats", daemon=True)
             self._thread.start()
 
+    def set_totals(self, **counts: float) -> None:
+        """Set counters to these totals, for a writer that counts on its own and calls
+        flush() itself (the proxy: no lock or thread per request)."""
+        with self._lock:
+            self.counts.update({k: v - self.counts[k] for k, v in counts.items()})
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"counts": dict(self.counts), "key_hits": dict(self.key_hits)}

@@ -88,6 +88,14 @@ class Store:
     def has_entry(self, key: str) -> bool:
         return os.path.exists(self.entry_path(key))
 
+    def entry_stems(self) -> set[str]:
+        """The file-name stems (key_filename) of every entry now: one listdir, no stat."""
+        try:
+            names = os.listdir(self.entries)
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        return {n.removesuffix(ENTRY_SUFFIX) for n in names if n.endswith(ENTRY_SUFFIX)}
+
     def touch(self, key: str) -> bool:
         """Mark `key` used now (LRU and grace count from here); False if it is gone."""
         try:

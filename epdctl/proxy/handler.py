@@ -90,10 +90,16 @@ class ProxyHandler:
             self.lookup.close()
 
     async def run_health_checks(self) -> None:
-        """Background probe loop; __main__ runs it as a task beside the server."""
-        await self.upstreams.run_health_checks(
-            lambda url: self.client.probe(url, self.config.health_timeout_s),
-            self.config.health_interval_s)
+        """Background probe loop (and the store index's scans); __main__ runs it as a task
+        beside the server."""
+        scans = asyncio.ensure_future(self.lookup.run_scans()) if self.lookup else None
+        try:
+            await self.upstreams.run_health_checks(
+                lambda url: self.client.probe(url, self.config.health_timeout_s),
+                self.config.health_interval_s)
+        finally:
+            if scans is not None:
+                scans.cancel()
 
     async def completions(self, route: str, scope: Scope, receive: Any, send: Any) -> None:
         """POST /v1/chat/completions and /v1/completions."""

@@ -83,14 +83,15 @@ async def test_each_distinct_item_counts_once_and_only_misses_go_to_e(rig_factor
     assert await counters(rig) == {"lookups": 3, "skipped": 1, "sent": 2}
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "other-key"])
+@pytest.mark.parametrize("damage", ["none", "corrupt", "truncated", "foreign", "other-key"])
 async def test_a_bad_entry_is_a_miss_and_goes_to_e(rig_factory, store, tmp_path, damage):
     path = store.entry_path(KEY)
-    if damage == "corrupt":
-        Path(path).write_bytes(b"not an entry at all" * 300)
-    elif damage == "truncated":
+    if damage in ("none", "truncated"):
         store.publish(KEY, bytes(64), dtype="float32", shape=(4, 4))
-        os.truncate(path, os.path.getsize(path) - 8)
+        if damage == "truncated":
+            os.truncate(path, os.path.getsize(path) - 8)
+    elif damage == "corrupt":
+        Path(path).write_bytes(b"not an entry at all" * 300)
     else:
         # A valid entry of another namespace (or of another key), renamed into ours.
         other = Store(tmp_path / "other", "other-0123456789ab" if damage == "foreign"
@@ -98,25 +99,48 @@ async def test_a_bad_entry_is_a_miss_and_goes_to_e(rig_factory, store, tmp_path,
         other.publish(KEY if damage == "foreign" else "another-key", bytes(64),
                       dtype="float32", shape=(4, 4))
         os.rename(other.entry_path(KEY if damage == "foreign" else "another-key"), path)
-    rig = with_store(rig_factory, store, Fakes())
-    rig.fakes.store = None  # keep the damaged file as it is
+    rig = with_store(rig_factory, store, Fakes())  # its first scan sees the file
+    rig.fakes.store = None  # keep the file as it is
     assert (await rig.chat([image_part()])).status_code == 200
+    if damage == "none":  # the control: the same file, undamaged, is a hit
+        assert rig.fakes.posts("e") == []
+        assert await counters(rig) == {"lookups": 1, "skipped": 1, "sent": 0}
+        return
     assert len(rig.fakes.posts("e")) == 1
     assert await counters(rig) == {"lookups": 1, "skipped": 0, "sent": 1}
 
 
+async def test_an_entry_another_writer_made_is_found_from_the_next_scan(rig_factory, store):
+    """Only names the index holds are checked on disk: what the last scan of entries/ saw,
+    and what E answered for since; a scan runs every second beside the server."""
+    rig = with_store(rig_factory, store)
+    rig.fakes.store = None
+    store.publish(KEY, bytes(64), dtype="float32", shape=(4, 4))  # not through this proxy
+    assert (await rig.chat([image_part()])).status_code == 200
+    assert len(rig.fakes.posts("e")) == 1
+    rig.proxy.lookup.scan()
+    assert (await rig.chat([image_part()])).status_code == 200
+    assert len(rig.fakes.posts("e")) == 1
+    assert await counters(rig) == {"lookups": 2, "skipped": 1, "sent": 1}
+
+
 async def test_the_rewrite_works_on_a_hit_from_the_kept_metadata(rig_factory, store):
     rig = with_store(rig_factory, store, Fakes(encoder_metadata={"image_grid_thw": [[1, 4, 4]]}))
-    assert (await rig.chat([image_part(), {"type": "text", "text": "x"}])).status_code == 200
+    content = [image_part(), {"type": "text", "text": "x"}]
+    assert (await rig.chat(content)).status_code == 200
+    assert (await rig.chat(content)).status_code == 200  # E's answer, still in memory
+    rig.proxy.lookup.scan()  # writes it beside the entry
     kept = json.loads(Path(meta_path(store, KEY)).read_text())
     assert kept["key"] == KEY and kept["namespace"] == NAMESPACE
     assert kept["entry"]["metadata"] == {"image_grid_thw": [[1, 4, 4]]}
-    assert (await rig.chat([image_part(), {"type": "text", "text": "x"}])).status_code == 200
+    # Another proxy over the same store (or this one restarted) reads it from there.
+    again = with_store(rig_factory, store, rig.fakes)
+    assert (await again.chat(content)).status_code == 200
     assert len(rig.fakes.posts("e")) == 1
-    first, second = rig.fakes.posts("pd")
+    first, *hits = rig.fakes.posts("pd")
     embeds = {"type": "image_embeds", "image_embeds": GRID, "uuid": KEY}
-    assert second.body["messages"][0]["content"][0] == embeds
-    assert second.body == first.body  # the same request PD got when E answered
+    assert first.body["messages"][0]["content"][0] == embeds
+    assert len(hits) == 2 and all(h.body == first.body for h in hits)  # what PD got from E
 
 
 async def test_a_hit_without_kept_metadata_goes_to_e_once_metadata_is_known(rig_factory, store):
@@ -125,6 +149,7 @@ async def test_a_hit_without_kept_metadata_goes_to_e_once_metadata_is_known(rig_
     rig = with_store(rig_factory, store, Fakes(encoder_metadata=GRID))
     other = image_part(PNG + b"2")
     store.publish(KEY, bytes(64), dtype="float32", shape=(4, 4))  # no sidecar
+    rig.proxy.lookup.scan()
     assert (await rig.chat([image_part()])).status_code == 200  # nothing known yet: a hit
     assert rig.fakes.posts("e") == [] and rig.fakes.posts("pd")[-1].body["messages"][0][
         "content"][0]["type"] == "image_url"
@@ -185,6 +210,7 @@ async def test_per_request_mm_kwargs_are_never_looked_up(rig_factory, store):
     """vLLM folds them into E's key: an entry under the bare uuid is another encoding."""
     rig = with_store(rig_factory, store)
     store.publish(KEY, bytes(64), dtype="float32", shape=(4, 4))
+    rig.proxy.lookup.scan()
     assert (await rig.chat([image_part()], mm_processor_kwargs={"a": 1})).status_code == 200
     assert len(rig.fakes.posts("e")) == 1
     assert await counters(rig) == {"lookups": 0, "skipped": 0, "sent": 1}
