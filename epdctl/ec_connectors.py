@@ -137,8 +137,15 @@ def engine_env(connector: str, role: str, ec_ports: Sequence[int]) -> dict[str, 
     return env
 
 
-def proxy_knobs(instances: Sequence[LaunchSpec]) -> dict[str, Any]:
-    """ProxyConfig knobs for Mooncake: every PD's URL with its control socket (first rank)."""
+def proxy_knobs(topology: Topology, instances: Sequence[LaunchSpec],
+                namespace: str = "") -> dict[str, Any]:
+    """ProxyConfig knobs the connector asks for: with epdctl's store (and a namespace), where
+    the proxy looks items up before E; with Mooncake, every PD's URL with its control socket
+    (first rank)."""
+    if topology.cache.connector == OURS:
+        if namespace and "encode" in topology.roles:
+            return {"store_dir": str(topology.cache.dir), "namespace": namespace}
+        return {}
     consumers = tuple(
         (s.url, f"tcp://{HOST}:{s.ec_ports[0]}") for s in instances
         if s.ec_config is not None and s.ec_config.get("ec_connector") == MOONCAKE

@@ -296,7 +296,7 @@ def plan(
             quiet_paths=quiet, log_requests=topology.engine.log_requests,
         ))
     _check_sharing(owners)
-    proxy = _proxy_spec(topology, state_dir, specs, python,
+    proxy = _proxy_spec(topology, state_dir, specs, python, namespace,
                         internal_key if is_key_required else None)
     store_dir = topology.cache.dir / namespace
     return Plan(
@@ -308,9 +308,10 @@ def plan(
 
 
 def proxy_config(topology: Topology, instances: Sequence[LaunchSpec],
-                 upstream_api_key: str | None = None) -> ProxyConfig:
+                 upstream_api_key: str | None = None, namespace: str = "") -> ProxyConfig:
     """The proxy's knobs: topology.proxy mapped by name (`x` or `x_s`), plus the instances
-    (and the key they require)."""
+    (and the key they require) and, given the namespace, what it needs of the EC connector
+    (the store it looks items up in, Mooncake's sockets)."""
     names = {f.name for f in dataclasses.fields(ProxyConfig)}
     knobs: dict[str, Any] = {}
     for key, value in topology.proxy.model_dump().items():
@@ -318,15 +319,15 @@ def proxy_config(topology: Topology, instances: Sequence[LaunchSpec],
     for spec in instances:
         key = PROXY_ROLE_FIELD[spec.role]
         knobs[key] = (*knobs.get(key, ()), spec.url)
-    knobs.update(ec_conn.proxy_knobs(instances))
+    knobs.update(ec_conn.proxy_knobs(topology, instances, namespace))
     return ProxyConfig(models=(topology.model_name,), upstream_api_key=upstream_api_key, **knobs)
 
 
 def _proxy_spec(
-    topology: Topology, state_dir: Path, specs: list[LaunchSpec], python: str,
+    topology: Topology, state_dir: Path, specs: list[LaunchSpec], python: str, namespace: str,
     internal_key: str | None,
 ) -> LaunchSpec:
-    config = proxy_config(topology, specs, internal_key)
+    config = proxy_config(topology, specs, internal_key, namespace)
     return LaunchSpec(
         name=PROXY_NAME, role=PROXY_ROLE,
         command=tuple(python if part == "{python}" else part for part in PROXY_COMMAND),

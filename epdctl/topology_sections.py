@@ -158,6 +158,9 @@ class Proxy(BaseModel):
     the same uuid for different images would get each other's answers. On by default: it is
     vLLM's own meaning of `uuid`, and the only key an item without fetchable bytes (a
     `file:` URL) can have, which Mooncake requires."""
+    skip_cached_items: Bool = _PROXY["skip_cached_items"]
+    """Send no item to an encoder whose embeddings are already in the EC store (E's metadata
+    for the rewrite is kept beside the entry)."""
     encode_timeout: Seconds = _PROXY["encode_timeout_s"]
     """Deadline for an encoder's answer to one media item."""
     prefill_timeout: Seconds = _PROXY["prefill_timeout_s"]

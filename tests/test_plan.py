@@ -134,6 +134,7 @@ def test_1e1pd_exact() -> None:
         "--encode", "http://127.0.0.1:8100", "--pd", "http://127.0.0.1:8101",
         "--encode-timeout", "60.0", "--prefill-timeout", "120.0", "--decode-timeout", "120.0",
         "--stream-idle-timeout", "60.0", "--max-inflight", "256",
+        "--store-dir", f"/dev/shm/epdctl-{os.geteuid()}", "--namespace", ns,
     )
     assert result.proxy.env == {}
     assert result.proxy.health_url == "http://127.0.0.1:8000/health"
@@ -410,6 +411,23 @@ def test_client_uuids_reaches_the_proxy_and_parses_back() -> None:
         assert parse_argv(argv[3:]).client_uuids is (given is not False)
     with pytest.raises(TopologyError, match="proxy -> client_uuids: expected true or false"):
         _topology({"prefill_decode": {}}, proxy={"client_uuids": "no"})
+
+
+def test_the_proxy_looks_in_the_topologys_store_unless_switched_off(tmp_path: Path) -> None:
+    from epdctl.proxy.config import parse_argv
+
+    topology = _topology({"encode": {}, "prefill_decode": {}}, cache={"dir": str(tmp_path)})
+    result = _plan(topology)
+    config = parse_argv(result.proxy.args)
+    assert (config.store_dir, config.namespace) == (str(tmp_path), result.namespace)
+    assert result.store_dir == tmp_path / config.namespace  # the namespace E and PD use
+    assert config.should_look_up
+    off = _plan(_topology({"encode": {}, "prefill_decode": {}},
+                          proxy={"skip_cached_items": False}))
+    assert "--no-skip-cached-items" in off.proxy.args
+    assert not parse_argv(off.proxy.args).should_look_up
+    aggregated = _plan(_topology({"prefill_decode": {}}))  # no encoder: nothing to skip
+    assert "--store-dir" not in aggregated.proxy.args
 
 
 def test_plan_spec_lookup_and_shell() -> None:

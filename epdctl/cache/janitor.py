@@ -11,6 +11,7 @@ from pathlib import Path
 
 from epdctl.cache import _recycle
 from epdctl.cache._scan import Entry, listdir, namespace_dirs, scan_entries
+from epdctl.cache.sidecar import META_SUFFIX, entry_of, sidecar_of
 from epdctl.cache.store import ENTRIES, PINS, TMP
 
 # A pin not read within this long belongs to a load that will never happen (the request
@@ -27,7 +28,8 @@ class Removed:
     namespace: str
     path: str
     size_bytes: int
-    # ttl, budget, namespace, all, older-than, stale-pin, orphan-tmp, pooled, empty-namespace
+    # ttl, budget, namespace, all, older-than, stale-pin, orphan-tmp, orphan-meta, pooled,
+    # empty-namespace
     reason: str
 
 
@@ -192,6 +194,7 @@ def _sweep(
             _recycle.expire(d / _recycle.FREE, now, max_bytes=(budget_bytes or 0) // 8)
         report.removed.extend(_stale_pins(d, now, pin_ttl_s, dry_run))
         report.removed.extend(_orphan_tmp(d, now, dry_run))
+        report.removed.extend(_orphan_meta(d, now, grace_s, dry_run))
         if drop_empty(d.name) and _is_empty(d, doomed, report, dry_run):
             if not dry_run:
                 shutil.rmtree(d, ignore_errors=True)
@@ -231,10 +234,24 @@ def _orphan_tmp(ns_dir: Path, now: float, dry_run: bool) -> Iterator[Removed]:
             yield Removed(ns_dir.name, path, st.st_size, "orphan-tmp")
 
 
+def _orphan_meta(ns_dir: Path, now: float, grace_s: float, dry_run: bool) -> Iterator[Removed]:
+    """Sidecars whose entry is gone (its eviction raced the proxy's write), past the grace."""
+    for path in listdir(ns_dir / ENTRIES):
+        if not path.endswith(META_SUFFIX) or os.path.exists(entry_of(path)):
+            continue
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if now - st.st_mtime >= grace_s and _remove(path, dry_run):
+            yield Removed(ns_dir.name, path, st.st_size, "orphan-meta")
+
+
 def _is_empty(ns_dir: Path, doomed: dict[str, str], report: EvictionReport, dry_run: bool) -> bool:
     gone = {r.path for r in report.removed} | set(doomed) if dry_run else set()
     for sub in (ENTRIES, PINS, TMP):
-        if any(p not in gone for p in listdir(ns_dir / sub)):
+        # Sidecars alone keep nothing alive: they mean nothing without their entries.
+        if any(p not in gone and not p.endswith(META_SUFFIX) for p in listdir(ns_dir / sub)):
             return False
     return True
 
@@ -274,8 +291,12 @@ def _remove_entry(e: Entry, dry_run: bool, recycle: bool = False) -> bool:
         and not dry_run
         and _recycle.retire(e.path, Path(e.path).parent.parent / _recycle.FREE, e.size)
     ):
+        _remove(sidecar_of(e.path), dry_run)
         return True
-    return _remove(e.path, dry_run)
+    if not _remove(e.path, dry_run):
+        return False
+    _remove(sidecar_of(e.path), dry_run)  # its metadata goes with it
+    return True
 
 
 def _remove(path: str, dry_run: bool) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from epdctl.cache._format import ENTRY_SUFFIX, PAGE_BYTES, FormatError, decode_header
 from epdctl.cache._scan import listdir, namespace_dirs, scan_entries
-from epdctl.cache.stats import read_stats
+from epdctl.cache.stats import COUNTERS, read_stats
 from epdctl.cache.store import PINS
 
 
@@ -30,6 +30,9 @@ class NamespaceStats:
     loads: int
     save_failures: int
     load_failures: int
+    lookups: int
+    skipped: int
+    sent: int
 
 
 @dataclass(frozen=True)
@@ -63,13 +66,10 @@ def inspect(store_root: Path) -> list[NamespaceStats]:
                 pins=len(listdir(ns_dir / PINS)),
                 oldest=min(times, default=None),
                 newest=max(times, default=None),
-                **{k: int(counts.get(k, 0)) for k in _COUNTS},
+                **{k: int(counts.get(k, 0)) for k in COUNTERS},
             )
         )
     return result
-
-
-_COUNTS = ("hits", "misses", "invalid", "saves", "loads", "save_failures", "load_failures")
 
 
 def list_entries(store_root: Path, namespace: str) -> list[EntryInfo]:

@@ -17,7 +17,17 @@ from epdctl.cache.store import STATS
 FLUSH_INTERVAL_S = 1.0
 # Per-key hit counts kept per writer; older keys fall off so the file stays small.
 MAX_KEYS = 1000
-COUNTERS = ("hits", "misses", "invalid", "saves", "save_failures", "loads", "load_failures")
+COUNTERS = ("hits", "misses", "invalid", "saves", "save_failures", "loads", "load_failures",
+            "lookups", "skipped", "sent")
+"""Engines count hits (per request item) to sent; the proxy counts the last three, per
+distinct media item of a request: looked up in the store, found there (no E sub-request),
+sent to an encoder."""
+
+
+def hit_ratio(counts: Counter[str] | dict[str, float]) -> float | None:
+    """The share of the proxy's store lookups that found the item (None: no lookup yet)."""
+    lookups = counts.get("lookups", 0)
+    return counts.get("skipped", 0) / lookups if lookups else None
 
 
 class StatsWriter:
@@ -45,6 +55,12 @@ class StatsWriter:
             # Started lazily so that merely importing or constructing starts no thread.
             self._thread = threading.Thread(target=self._run, name="epdctl-ec-stats", daemon=True)
             self._thread.start()
+
+    def set_totals(self, **counts: float) -> None:
+        """Set counters to these totals, for a writer that counts on its own and calls
+        flush() itself (the proxy: no lock or thread per request)."""
+        with self._lock:
+            self.counts.update({k: v - self.counts[k] for k, v in counts.items()})
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

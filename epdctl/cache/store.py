@@ -105,6 +105,16 @@ class Store:
     def has_entry(self, key: str) -> bool:
         return self.refused is None and os.path.exists(self.entry_path(key))
 
+    def entry_stems(self) -> set[str]:
+        """The file-name stems (key_filename) of every entry now: one listdir, no stat."""
+        if self.refused is not None:
+            return set()
+        try:
+            names = os.listdir(self.entries)
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        return {n.removesuffix(ENTRY_SUFFIX) for n in names if n.endswith(ENTRY_SUFFIX)}
+
     def touch(self, key: str) -> bool:
         """Mark `key` used now (LRU and grace count from here); False if it is gone."""
         if self.refused is not None:
@@ -208,6 +218,13 @@ class Store:
             return Miss(f"pin failed: {exc.strerror}")
         return Pin(paths, reason)
 
+    def check(self, key: str) -> EntryHeader | Miss:
+        """Validate `key`'s entry as a consumer would, without pinning it (the proxy's look:
+        the entry may still go before anyone loads it)."""
+        if self.refused is not None:
+            return Miss("refused store")
+        return _validate(self.entry_path(key), key, self.namespace, None, None)
+
     def renew(self, pin: Pin) -> Pin:
         """The same pin under fresh names, so the janitor's pin TTL starts again."""
         created = time.time_ns()
@@ -245,6 +262,8 @@ def _validate(
         header = decode_header(head)
     except FormatError as exc:
         return Miss(f"corrupt: {exc}")
+    except FileNotFoundError:
+        return Miss("missing")
     except OSError as exc:
         return Miss(f"unreadable: {exc.strerror}")
     if header.key != key:

@@ -40,6 +40,10 @@ def size(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
+def percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.0%}"
+
+
 def elapsed(state: RunState, name: str, now: float) -> float | None:
     record = state.records.get(name)
     if record is None:

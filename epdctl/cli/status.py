@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from epdctl.cli._app import App, pass_app
-from epdctl.cli._render import proxy_url, status_table
+from epdctl.cli._render import percent, proxy_url, status_table
 
 if TYPE_CHECKING:
     from epdctl.state import Record, RunState, SpecModel, StateDir
@@ -54,6 +54,23 @@ def _instance(spec: SpecModel, record: Record | None, now: float) -> dict[str, A
     return row
 
 
+def _cache(state: RunState) -> dict[str, Any]:
+    """The proxy's store lookups for this topology (`cache inspect` has the rest)."""
+    from epdctl.cache.stats import hit_ratio, read_stats
+
+    counts, _ = read_stats(state.store_dir)
+    row: dict[str, Any] = {k: int(counts[k]) for k in ("lookups", "skipped", "sent")}
+    return {"namespace": state.namespace, **row, "hit_ratio": hit_ratio(counts)}
+
+
+def cache_line(cache: dict[str, Any]) -> str | None:
+    """`encoder cache: 50% hit (...)`, once the proxy has looked anything up."""
+    if not cache["lookups"]:
+        return None
+    return (f"encoder cache: {percent(cache['hit_ratio'])} hit ({cache['skipped']} of "
+            f"{cache['lookups']} media items were in the store and skipped the encoder)")
+
+
 def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
     """The `status --json` document (stable keys)."""
     from epdctl.state import process_matches
@@ -70,6 +87,7 @@ def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
         "ready": all(i["state"] == "ready" for i in instances),
         "error": state.error,
         "instances": instances,
+        "cache": _cache(state),
     }
 
 
@@ -103,6 +121,9 @@ def status(app: App, ctx: click.Context, name: str | None, as_json: bool,
             pass
     else:
         app.out.print(status_table(doc["instances"]))
+        line = cache_line(doc["cache"])
+        if line:
+            app.out.print(line, markup=False, highlight=False)
         if doc["error"]:
             app.err.print(doc["error"], markup=False)
     ctx.exit(0 if doc["ready"] else 1)

@@ -71,6 +71,13 @@ class ProxyConfig:
                               "given (in a key space of its own, so it never aliases a "
                               "content key); --no-client-uuids ignores them and keys every "
                               "item by its content, for proxies shared by several people")
+    skip_cached_items: bool = knob(True, "--skip-cached-items", "send an item to no encoder "
+                                   "when its entry is already in the EC store (--store-dir)")
+    store_dir: str = knob("", "--store-dir", "root of the topology's shared-memory EC store, "
+                          "looked in before the E stage (with --namespace); empty: never "
+                          "skips", metavar="DIR")
+    namespace: str = knob("", "--namespace", "the topology's EC namespace in --store-dir",
+                          metavar="NS")
     connect_timeout_s: float = knob(5.0, "--connect-timeout",
                                     "seconds to connect to an instance")
     retry_after_s: int = knob(1, "--retry-after", "Retry-After seconds on a 503")
@@ -110,6 +117,8 @@ class ProxyConfig:
             raise ValueError("give --pd, or --prefill and --decode")
         if self.ec_protocol not in ("shared", "mooncake"):
             raise ValueError(f"unknown EC protocol `{self.ec_protocol}`")
+        if bool(self.store_dir) != bool(self.namespace):
+            raise ValueError("--store-dir and --namespace go together")
         if self.ec_protocol == "mooncake":
             self._check_mooncake()
         elif self.ec_consumers:
@@ -137,6 +146,12 @@ class ProxyConfig:
             if known.rstrip("/") == url:
                 return address
         raise KeyError(url)
+
+    @property
+    def should_look_up(self) -> bool:
+        """Whether items are looked up in the store before the E stage."""
+        return self.skip_cached_items and bool(self.store_dir) and bool(self.encode) \
+            and self.ec_protocol == "shared"
 
     @property
     def is_split(self) -> bool:

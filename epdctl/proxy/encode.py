@@ -13,9 +13,11 @@ from typing import Any
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
+from epdctl.proxy.lookup import StoreLookup
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.routing import (
     CHAT,
+    MM_KWARGS,
     MediaItem,
     dumps,
     encoder_body,
@@ -46,15 +48,17 @@ class Encoded:
 class Encoder:
     """Fans media out to the encode pool; a failed item falls back to raw media on PD.
 
-    With Mooncake there is no fallback: the caller gets the failures and answers for them.
+    With a store to look in, items already there skip E. With Mooncake there is no
+    fallback (and no store): the caller gets the failures and answers for them.
     """
 
     def __init__(self, config: ProxyConfig, pool: Pool, client: Upstream,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, lookup: StoreLookup | None = None) -> None:
         self.config = config
         self.pool = pool
         self.client = client
         self.metrics = metrics
+        self.lookup = lookup
 
     async def run(self, body: dict[str, Any], items: list[MediaItem], trace: Trace,
                   consumer_zmq: str | None = None) -> Encoded:
@@ -69,14 +73,31 @@ class Encoder:
                 unique.setdefault(item.uuid, item)
         if not unique:
             return Encoded()
-        if not self.pool.healthy and consumer_zmq is None:
-            # Every encoder is ejected (dead or hung): PD encodes at once, instead of each
-            # request waiting out a refused connection or encode_timeout on it. The health
-            # loop re-admits an encoder on its first good probe.
-            trace.notes.append("encoders_out=1")
-            trace.fallbacks.extend("encoder" for _ in unique)
-            self.metrics.fallbacks.labels("encoder").inc(len(unique))
-            return Encoded()
+        out = Encoded()
+        looked = skipped = 0
+        # Per-request mm kwargs fold into E's key, which the proxy cannot compute.
+        if self.lookup is not None and consumer_zmq is None \
+                and not any(body.get(k) for k in MM_KWARGS):
+            looked = len(unique)
+            for uuid, hit in self.lookup.find(unique, self.config.metadata_rewrite).items():
+                out.reported[uuid] = (hit.key, hit.metadata)
+                if hit.params:
+                    out.params[hit.key] = hit.params
+                del unique[uuid]
+                skipped += 1
+            if skipped:
+                trace.notes.append(f"cached={skipped}")
+        if not unique or (not self.pool.healthy and consumer_zmq is None):
+            self._count(looked, skipped, 0)
+            if unique:
+                # Every encoder is ejected (dead or hung): PD encodes at once, instead of
+                # each request waiting out a refused connection or encode_timeout on it. The
+                # health loop re-admits an encoder on its first good probe.
+                trace.notes.append("encoders_out=1")
+                trace.fallbacks.extend("encoder" for _ in unique)
+                self.metrics.fallbacks.labels("encoder").inc(len(unique))
+            return out
+        self._count(looked, skipped, len(unique))
         self.metrics.fanout.observe(len(unique))
         started = time.perf_counter()
         results: dict[str, tuple[str, dict[str, Any], dict[str, Any], str | None] | str] = {}
@@ -94,7 +115,6 @@ class Encoder:
         except TimeoutError:
             trace.notes.append("encode_timeout=1")
         self.metrics.stage["encode"].observe(trace.timed("encode", started))
-        out = Encoded()
         for key in unique:
             result = results.get(key)
             if not isinstance(result, tuple):
@@ -107,9 +127,22 @@ class Encoder:
             out.reported[key] = (e_key, metadata)
             if entry:
                 out.params[e_key] = entry
+                if self.lookup is not None and consumer_zmq is None:
+                    self.lookup.keep(unique[key], e_key, entry)
             if transfer_id is not None:
                 out.transfer_ids[key] = transfer_id
         return out
+
+    def _count(self, lookups: int, skipped: int, sent: int) -> None:
+        """Per distinct item of a request: looked up, found (no E), sent to E."""
+        if lookups:
+            self.metrics.lookups.inc(lookups)
+        if skipped:
+            self.metrics.skipped.inc(skipped)
+        if sent:
+            self.metrics.sent.inc(sent)
+        if self.lookup is not None and lookups:
+            self.lookup.count(lookups, skipped, sent)
 
     async def _one(self, body: dict[str, Any], item: MediaItem, n: int, trace: Trace,
                    results: dict[str, Any], consumer_zmq: str | None = None) -> None:
@@ -125,7 +158,7 @@ class Encoder:
                 # a consumer refuses an id that already names a transfer.
                 transfer_id = os.urandom(16).hex()
                 payload = dumps(push_body(request, consumer_zmq, transfer_id))
-            inst = avoid = self.pool.pick(avoid)
+            inst = avoid = self.pool.pick(avoid, item.uuid)
             inst.outstanding += 1
             try:
                 reply = await self.client.post(inst.url, CHAT, payload, headers,

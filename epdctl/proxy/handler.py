@@ -16,6 +16,7 @@ from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoder
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError, bad_request
 from epdctl.proxy.generate import Answer, Generator, StageFailed
+from epdctl.proxy.lookup import StoreLookup
 from epdctl.proxy.media import assign_uuids, scope_client_uuids
 from epdctl.proxy.metrics import Metrics, outcome_of
 from epdctl.proxy.mooncake import MooncakeRoute
@@ -70,7 +71,12 @@ class ProxyHandler:
         self.inflight = 0
         self.metrics.inflight.set_function(lambda: self.inflight)  # read at scrape time
         encode_pool = self.upstreams.pools.get("encode")
-        self.encoder = Encoder(config, encode_pool, client, self.metrics) if encode_pool else None
+        self.lookup = None
+        if config.should_look_up:
+            self.lookup = StoreLookup(config.store_dir, config.namespace)
+        self.encoder = None
+        if encode_pool:
+            self.encoder = Encoder(config, encode_pool, client, self.metrics, self.lookup)
         self.generator = Generator(config, self.upstreams, client, self.metrics)
         self.passthrough = Passthrough(config, self.upstreams, client, self.metrics)
         self.mooncake = None
@@ -86,11 +92,22 @@ class ProxyHandler:
                 return hmac.compare_digest(value, self._auth)
         return False
 
+    def close(self) -> None:
+        """Flush what outlives the app (the store counters); __main__ calls it on exit."""
+        if self.lookup is not None:
+            self.lookup.close()
+
     async def run_health_checks(self) -> None:
-        """Background probe loop; __main__ runs it as a task beside the server."""
-        await self.upstreams.run_health_checks(
-            lambda url: self.client.probe(url, self.config.health_timeout_s),
-            self.config.health_interval_s)
+        """Background probe loop (and the store index's scans); __main__ runs it as a task
+        beside the server."""
+        scans = asyncio.ensure_future(self.lookup.run_scans()) if self.lookup else None
+        try:
+            await self.upstreams.run_health_checks(
+                lambda url: self.client.probe(url, self.config.health_timeout_s),
+                self.config.health_interval_s)
+        finally:
+            if scans is not None:
+                scans.cancel()
 
     async def handle(self, scope: Scope, receive: Any, send: Any) -> None:
         """Any request: POSTs to the completion routes through E and P/D, the rest passed

@@ -27,8 +27,19 @@ class Metrics:
             ["stage"], buckets=LATENCY_BUCKETS_S, registry=registry)
         self.stage = {name: stage.labels(name) for name in STAGES}
         self.fanout = Histogram(
-            "epdctl_proxy_encoder_fanout_items", "Encoder sub-requests per request with media.",
+            "epdctl_proxy_encoder_fanout_items", "Encoder sub-requests per request that sends "
+            "any.",
             buckets=(1, 2, 4, 8, 16, 32, 64), registry=registry)
+        # Per distinct media item of a request (a repeat inside one request is one item, as
+        # E sees it); never per attempt: an E retry or a resend to PD is not a second item.
+        self.lookups = Counter(
+            "epdctl_proxy_store_lookups", "Media items looked up in the EC store before the "
+            "E stage.", registry=registry)
+        self.skipped = Counter(
+            "epdctl_proxy_items_skipped", "Media items found in the EC store: no E "
+            "sub-request.", registry=registry)
+        self.sent = Counter(
+            "epdctl_proxy_items_sent", "Media items sent to an encoder.", registry=registry)
         self.fallbacks = Counter(
             "epdctl_proxy_fallbacks",
             "Media sent on to PD raw: encoder failed (encoder) or PD lacked a rewritten "

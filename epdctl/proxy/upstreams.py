@@ -1,8 +1,10 @@
-"""Instance pools per role: least-outstanding picks, health probes, ejection."""
+"""Instance pools per role: least-outstanding picks (by key where one is given), health
+probes, ejection."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -10,6 +12,10 @@ from dataclasses import dataclass, field
 from epdctl.proxy.config import ProxyConfig
 
 log = logging.getLogger("epdctl.proxy")
+# A keyed pick keeps to the key's instance unless it has more than this many requests in
+# flight beyond the least busy one: repeats meet E's own caches, yet one hot key cannot
+# queue behind a busy encoder while another idles.
+KEY_AFFINITY_SLACK = 2
 
 
 @dataclass(eq=False)
@@ -32,17 +38,23 @@ class Pool:
     instances: list[Instance]
     _turn: int = field(default=0, repr=False)
 
-    def pick(self, avoid: Instance | None = None) -> Instance:
+    def pick(self, avoid: Instance | None = None, key: str | None = None) -> Instance:
         """Least outstanding requests among healthy instances, other than `avoid` if possible.
 
         Ejected instances are used only when no healthy one is left; ties rotate, so equal
-        load spreads instead of piling onto the first instance.
+        load spreads instead of piling onto the first instance. With a `key`: the candidate
+        rendezvous hashing gives it (the same one while it stays healthy, and again when it
+        comes back), unless it is busier than the least busy by more than the slack.
         """
         pool = self.instances
         healthy = [i for i in pool if not i.is_ejected]
         candidates = [i for i in healthy if i is not avoid] or healthy or \
             [i for i in pool if i is not avoid] or pool
         n = len(candidates)
+        if key is not None and n > 1:
+            chosen = max(candidates, key=lambda i: _score(i.url, key))
+            if chosen.outstanding <= min(i.outstanding for i in candidates) + KEY_AFFINITY_SLACK:
+                return chosen
         self._turn = (self._turn + 1) % n if n > 1 else 0
         best = candidates[self._turn]
         for k in range(1, n):
@@ -54,6 +66,11 @@ class Pool:
     @property
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances if not i.is_ejected]
+
+
+def _score(url: str, key: str) -> bytes:
+    """Rendezvous weight of `key` on the instance at `url` (highest wins)."""
+    return hashlib.blake2b(f"{url}\0{key}".encode(), digest_size=8).digest()
 
 
 class Upstreams:

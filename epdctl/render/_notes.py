@@ -20,7 +20,8 @@ def _ec_notes(topology: Topology, options: K8sOptions) -> list[str]:
     name = options.ec_connector
     lines = [
         f"EC transfer uses {name}, not {cache.CONNECTOR_NAME}: a shared-memory store does not "
-        "cross nodes (the cache: section is not used)."
+        "cross nodes (the cache: section is not used, and the proxy sends every media item to "
+        "an encoder: proxy.skip_cached_items needs that store)."
     ]
     if name == "ECMooncakeConnector":
         lines += [

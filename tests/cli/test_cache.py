@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from epdctl.cache.sidecar import write_meta
 from epdctl.cache.stats import StatsWriter
 from epdctl.cache.store import Pin, Store
+from epdctl.proxy.lookup import STATS_WRITER
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -29,7 +31,8 @@ def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 def populate(root: Path) -> Store:
-    """Two entries (3 h and 5 min unused), one pinned, one hit and one miss counted."""
+    """Two entries (3 h and 5 min unused), one pinned and one with E's metadata beside it,
+    one hit and one miss counted; the proxy looked 4 items up and found 1."""
     store = Store(root, "demo-0123456789ab").create()
     now = time.time()
     for key, rows, idle_s in (("img-a", 4, 3 * 3600 + 30), ("lora:img-b", 2, 300 + 10)):
@@ -40,6 +43,10 @@ def populate(root: Path) -> Store:
     stats.add("img-a", hits=1)
     stats.add(misses=1)
     stats.close()
+    write_meta(store, "lora:img-b", {"metadata": {"image_grid_thw": [[1, 2, 2]]}})
+    proxy = StatsWriter(store.root, STATS_WRITER)
+    proxy.add(lookups=4, skipped=1, sent=3)
+    proxy.close()
     return store
 
 
@@ -54,9 +61,12 @@ def test_inspect_table_and_entries(epdctl, shm: Path) -> None:
     result = epdctl("cache", "inspect", "--store-dir", str(shm), "--entries")
     assert result.exit_code == 0, result.stderr
     assert result.stdout == (
-        "NAMESPACE          ENTRIES     SIZE  PINNED  HITS  MISSES  SAVES  LOADS  OLDEST  NEWEST\n"
-        "demo-0123456789ab        2  8.4 KiB     1/1     1       1      0      0   3h00m   5m10s\n"
+        "NAMESPACE          ENTRIES     SIZE  PINNED  HITS  MISSES  SAVES  LOADS  HIT%  OLDEST  "
+        "NEWEST\n"
+        "demo-0123456789ab        2  8.4 KiB     1/1     1       1      0      0   25%   3h00m  "
+        " 5m10s\n"
         f"store {shm}: 8.4 KiB used; filesystem 48.0 MiB free of 64.0 MiB\n"
+        "HIT% = the proxy's store lookups that found the item (no encoder round trip)\n"
         "\n"
         "demo-0123456789ab\n"
         "KEY           DTYPE  SHAPE     SIZE    AGE  HITS  PINNED\n"
@@ -73,17 +83,22 @@ def test_inspect_json(epdctl, shm: Path) -> None:
     assert doc["store_dir"] == str(shm) and doc["capacity_bytes"] is None
     assert doc["filesystem"] == {"total_bytes": 64 << 20, "free_bytes": 48 << 20}
     (ns,) = doc["namespaces"]
-    assert {k: ns[k] for k in ("namespace", "entries", "pinned_entries", "hits", "misses")} == {
+    assert {k: ns[k] for k in ("namespace", "entries", "pinned_entries", "hits", "misses",
+                               "lookups", "skipped", "sent", "hit_ratio")} == {
         "namespace": "demo-0123456789ab",
         "entries": 2,
         "pinned_entries": 1,
         "hits": 1,
         "misses": 1,
+        "lookups": 4,
+        "skipped": 1,
+        "sent": 3,
+        "hit_ratio": 0.25,
     }
     assert (
         ns["size_bytes"]
         == doc["size_bytes"]
-        == sum(p.stat().st_size for p in store.entries.iterdir())
+        == sum(p.stat().st_size for p in store.entries.glob("*.ec"))
     )
     assert [(i["key"], i["shape"], i["pinned"]) for i in ns["items"]] == [
         ("lora:img-b", [2, 16], False),
@@ -99,7 +114,7 @@ def test_clean_dry_run_then_all_keeps_the_pinned_entry(epdctl, shm: Path) -> Non
         f"Would remove 1 entry (4.1 KiB), 0 stale pins, 0 orphaned tmp files from {shm}; "
         "kept 1 being loaded\n"
     )
-    assert len(os.listdir(store.entries)) == 2
+    assert len(os.listdir(store.entries)) == 3  # two entries, one's metadata
     result = epdctl("cache", "clean", "--store-dir", str(shm), "--all", "--json")
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,7 @@ def test_status_json_then_table_then_exited(epdctl, fake_topology, state_root, t
     assert result.exit_code == 0
     doc = json.loads(result.stdout)
     assert list(doc) == ["name", "phase", "mode", "model", "topology", "state_dir", "proxy_url",
-                         "supervisor", "ready", "error", "instances"]
+                         "supervisor", "ready", "error", "instances", "cache"]
     assert (doc["name"], doc["phase"], doc["mode"], doc["ready"]) == ("fake", "running", "e-pd",
                                                                       True)
     assert doc["topology"] == str(topo) and doc["supervisor"] == {"pid": pids["supervisor"],
@@ -43,6 +44,7 @@ def test_status_json_then_table_then_exited(epdctl, fake_topology, state_root, t
                                 "RSS"]
     assert lines[2].split()[:6] == ["pd-0", "prefill_decode", "-", str(doc["instances"][1]["port"]),
                                     str(pids["pd-0"]), "ready"]
+    assert len(lines) == 4  # no cache line before the proxy has looked anything up
 
     # No restart policy: the supervisor stops everything when pd-0 dies.
     os.killpg(pids["pd-0"], signal.SIGKILL)
@@ -56,6 +58,34 @@ def test_status_json_then_table_then_exited(epdctl, fake_topology, state_root, t
     assert doc["error"].startswith("`pd-0` was killed by SIGKILL while serving;")
     assert [i["state"] for i in doc["instances"]] == ["exited"] * 3
     assert epdctl("down").stderr.startswith("Nothing of fake was running; removed its state.")
+
+
+def test_status_shows_the_proxys_store_hit_ratio(epdctl, fake_topology, state_root) -> None:
+    """The proxy's counters in the running topology's namespace, as `cache inspect` reads
+    them (the fake topology's proxy is a fake: the counters are written here)."""
+    from epdctl.cache.stats import StatsWriter
+    from epdctl.proxy.lookup import STATS_WRITER
+
+    assert epdctl("up", str(fake_topology()), "-d", "--timeout", "20").exit_code == 0
+    doc = json.loads(epdctl("status", "--json").stdout)
+    assert doc["cache"]["lookups"] == 0 and doc["cache"]["hit_ratio"] is None
+    (Path(_store_dir(state_root)) / "stats").mkdir(parents=True)  # E creates the namespace
+    stats = StatsWriter(_store_dir(state_root), STATS_WRITER)
+    stats.add(lookups=4, skipped=3, sent=1)
+    stats.close()
+    doc = json.loads(epdctl("status", "--json").stdout)
+    assert doc["cache"] == {"namespace": doc["cache"]["namespace"], "lookups": 4,
+                            "skipped": 3, "sent": 1, "hit_ratio": 0.75}
+    assert doc["cache"]["namespace"].startswith("fake-")
+    lines = epdctl("status").stdout.splitlines()
+    assert lines[-1] == ("encoder cache: 75% hit (3 of 4 media items were in the store and "
+                         "skipped the encoder)")
+    assert epdctl("down").exit_code == 0
+
+
+def _store_dir(state_root) -> str:
+    (run,) = [p for p in state_root.iterdir() if (p / "state.json").exists()]
+    return json.loads((run / "state.json").read_text())["store_dir"]
 
 
 def test_status_when_nothing_runs(epdctl, state_root) -> None:

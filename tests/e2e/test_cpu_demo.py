@@ -22,6 +22,9 @@ from tests.e2e.topology_run import (
     check_down,
     check_logs,
     check_verify,
+    encoder_posts,
+    proxy_counters,
+    store_counters,
     topology_with_baseline,
     wait_for,
     write_topology,
@@ -80,23 +83,36 @@ def test_different_images_answer_differently(demo: tuple[TopologyRun, Server]) -
 
 
 def test_repeated_image_is_loaded_from_the_store(demo: tuple[TopologyRun, Server]) -> None:
-    """E encodes the image; PD loads it from the store both times and never runs the encoder."""
+    """E encodes the image once; the repeat makes no E request at all (the proxy finds the
+    entry in the store); PD loads it from the store both times and never runs the encoder."""
     from epdctl.proxy.media import content_key
 
     run, baseline = demo
     png = make_image(41)
     key, url = content_key("image", png), image_data_url(png)
-    pd_start = len(run.log("pd-0"))
+    pd_start, e_start = len(run.log("pd-0")), len(run.log("encode-0"))
+    counted = proxy_counters(run)
     # Salts keep the prefix cache from answering the repeat without the image.
     first = chat(run.proxy_url, MODEL, api_key=KEY, image_urls=[url],
                  extra_body={"cache_salt": "first"})
+    assert encoder_posts(run.log("encode-0")[e_start:]) == 1
     entry = wait_for(lambda: (e := cache_entry(run, key)) and e["hits"] >= 1 and e)
     assert entry, "no entry, or no hit on it, after the first request"
+    e_mark, looked = len(run.log("encode-0")), store_counters(run)
     second = chat(run.proxy_url, MODEL, api_key=KEY, image_urls=[url],
                   extra_body={"cache_salt": "second"})
     assert first and first == second == chat(baseline.base_url, baseline.model, image_urls=[url])
     again = wait_for(lambda: (e := cache_entry(run, key)) and e["hits"] > entry["hits"] and e)
     assert again and again["hits"] == entry["hits"] + 1
+
+    # No E request for the repeat: E's log shows none, the proxy counted a skip, and
+    # `cache inspect` one more lookup, a hit.
+    assert encoder_posts(run.log("encode-0")[e_mark:]) == 0
+    now = proxy_counters(run)
+    assert {k: now[k] - counted[k] for k in now} == {"lookups": 2, "skipped": 1, "sent": 1}
+    row = wait_for(lambda: (r := store_counters(run))["lookups"] > looked["lookups"] and r)
+    assert row, store_counters(run)
+    assert (row["lookups"] - looked["lookups"], row["skipped"] - looked["skipped"]) == (1, 1)
 
     # The first request reads the entry; for the second, PD's worker usually still holds the
     # tensor and skips the read (the pin above was still taken and validated).

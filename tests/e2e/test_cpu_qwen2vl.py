@@ -23,6 +23,9 @@ from tests.e2e.topology_run import (
     check_down,
     check_logs,
     check_verify,
+    encoder_posts,
+    proxy_counters,
+    store_counters,
     topology_with_baseline,
     wait_for,
     write_topology,
@@ -142,6 +145,39 @@ def test_rewritten_request_never_touches_the_image_on_pd(
     key = content_key("image", png)
     assert wait_for(lambda: f"Success load encoder cache for hash {key}" in run.log("pd-0"))
     assert f"Finish execute for mm hash {key}" not in run.log("pd-0")
+
+
+def test_a_repeated_image_is_rewritten_from_the_store_without_e(
+    qwen: tuple[TopologyRun, Server],
+) -> None:
+    """The repeat makes no E request: the proxy finds the entry, and E's `image_grid_thw`
+    kept beside it, so PD still gets metadata only; answers equal the baseline."""
+    from epdctl.cache.sidecar import read_meta
+    from epdctl.cache.store import Store
+    from epdctl.proxy.media import content_key
+
+    run, baseline = qwen
+    png = make_image(45)
+    key, url = content_key("image", png), image_data_url(png)
+    expected = chat(baseline.base_url, baseline.model, image_urls=[url])
+    pd_start = len(run.log("pd-0"))
+    assert chat(run.proxy_url, MODEL, image_urls=[url]) == expected
+    kept = read_meta(Store(run.cache_dir, run.state().namespace), key)
+    assert kept and kept["metadata"]["image_grid_thw"], kept
+    encode, pd = probes(run)
+    e_mark, counted, looked = len(run.log("encode-0")), proxy_counters(run), store_counters(run)
+    assert chat(run.proxy_url, MODEL, image_urls=[url], stream=True) == expected
+    assert encoder_posts(run.log("encode-0")[e_mark:]) == 0 and encode.image_calls() == []
+    assert pd.image_calls() == []  # rewritten: PD neither fetched nor preprocessed it
+    # PD loaded it from the store (for the repeat its worker may still hold the tensor).
+    assert wait_for(lambda: f"Success load encoder cache for hash {key}"
+                    in run.log("pd-0")[pd_start:])
+    assert f"Finish execute for mm hash {key}" not in run.log("pd-0")
+    now = proxy_counters(run)
+    assert {k: now[k] - counted[k] for k in now} == {"lookups": 1, "skipped": 1, "sent": 0}
+    row = wait_for(lambda: (r := store_counters(run))["lookups"] > looked["lookups"] and r)
+    assert row, store_counters(run)
+    assert (row["lookups"] - looked["lookups"], row["skipped"] - looked["skipped"]) == (1, 1)
 
 
 def test_without_the_rewrite_pd_preprocesses_the_image(

@@ -282,3 +282,32 @@ def cache_entry(run: TopologyRun, key: str) -> dict[str, Any] | None:
                 if item["key"] == key:
                     return dict(item)
     return None
+
+
+def proxy_counters(run: TopologyRun) -> dict[str, float]:
+    """The proxy's store lookups, items skipped and items sent, from its /metrics."""
+    import re
+    import urllib.request
+
+    key = run.state().proxy_api_key
+    request = urllib.request.Request(f"{run.proxy_url}/metrics", headers={
+        "authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        text = reply.read().decode()
+    names = {"lookups": "epdctl_proxy_store_lookups_total",
+             "skipped": "epdctl_proxy_items_skipped_total",
+             "sent": "epdctl_proxy_items_sent_total"}
+    return {k: float(m[1]) if (m := re.search(rf"^{v} (\S+)$", text, re.M)) else 0.0
+            for k, v in names.items()}
+
+
+def store_counters(run: TopologyRun) -> dict[str, Any]:
+    """The running namespace's row of `cache inspect --json` (counters, hit ratio)."""
+    doc = run.cli_json("cache", "inspect")
+    (row,) = [ns for ns in doc["namespaces"] if ns["active"]]
+    return dict(row)
+
+
+def encoder_posts(log: str) -> int:
+    """Completion requests an engine's log shows (uvicorn's access lines)."""
+    return log.count('"POST /v1/chat/completions HTTP/1.1"')

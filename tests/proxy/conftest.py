@@ -21,6 +21,7 @@ def anyio_backend() -> str:
 @pytest.fixture
 async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
     clients: list[httpx.AsyncClient] = []
+    rigs: list[Rig] = []
 
     def make(fakes: Fakes | None = None, **kwargs: Any) -> Rig:
         fakes = fakes or Fakes()
@@ -33,10 +34,13 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                    base_url="http://proxy")
         clients.extend([upstream, client])
-        return Rig(app, client, fakes, config)
+        rigs.append(Rig(app, client, fakes, config))
+        return rigs[-1]
 
     yield make
     for client in clients:
         await client.aclose()
+    for rig in rigs:
+        rig.proxy.close()
 
 

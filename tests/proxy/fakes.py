@@ -75,6 +75,9 @@ class Fakes:
     kv_params: dict[str, Any] = field(
         default_factory=lambda: {"do_remote_prefill": True, "remote_block_ids": [1, 2],
                                  "remote_engine_id": "p-engine"})
+    store: Any = None
+    """An epdctl.cache.store.Store the encoders save each item into before they answer,
+    as a real E does (None: they save nothing)."""
 
     def to(self, instance: str, path: str | None = None) -> list[Seen]:
         return [s for s in self.seen if s.instance == instance
@@ -115,6 +118,8 @@ class Fakes:
         if seen.instance.startswith("e"):
             part = body["messages"][0]["content"][0]
             key = part.get("uuid") or "no-uuid"
+            if self.store is not None:
+                self.store.publish(key, bytes(16 * 4 * 4), dtype="float32", shape=(16, 4))
             entry = {"item_indices": [0], "metadata": dict(self.encoder_metadata)}
             return httpx.Response(200, json={"id": "e", "choices": [],
                                              "ec_transfer_params": {key: entry}})

@@ -48,8 +48,8 @@ async def test_fan_out_one_subrequest_per_distinct_item_across_encoders(rig_fact
     r = await rig.chat([image_part(), other, image_part()], mm_processor_kwargs={"k": 1},
                        media_io_kwargs={"image": {"m": 2}})
     assert r.status_code == 200
-    encs = rig.fakes.posts("e")
-    assert sorted(s.instance for s in encs) == ["e0", "e1"]
+    encs = rig.fakes.posts("e")  # each to its key's encoder (test_upstreams: affinity)
+    assert len(encs) == 2 and {s.instance for s in encs} <= {"e0", "e1"}
     assert sorted(s.headers["x-request-id"].rsplit(":", 1)[1] for s in encs) == ["enc0", "enc1"]
     assert all(s.body["mm_processor_kwargs"] == {"k": 1} for s in encs)
     assert all(s.body["media_io_kwargs"] == {"image": {"m": 2}} for s in encs)

@@ -90,3 +90,38 @@ def test_report_encoders_are_optional_but_pd_is_required():
     for _ in range(3):
         ups2.record_probe(ups2.pools["decode"].instances[0], False)
     assert ups2.report()[0] is False
+
+
+def test_keyed_picks_stay_put_when_an_encoder_leaves_and_come_back_with_it():
+    ups = pools(encode=("http://e0", "http://e1", "http://e2"))
+    pool = ups.pools["encode"]
+    keys = [f"key-{n}" for n in range(300)]
+    before = {k: pool.pick(key=k) for k in keys}
+    assert all(pool.pick(key=k) is before[k] for k in keys)  # the same one every time
+    counts = {inst.url: sum(1 for v in before.values() if v is inst) for inst in pool.instances}
+    assert all(60 < n < 140 for n in counts.values()), counts  # and spread over all three
+    e1 = pool.instances[1]
+    for _ in range(ups.eject_after):
+        ups.record_probe(e1, False)
+    during = {k: pool.pick(key=k) for k in keys}
+    # Only e1's keys move (spread over the others); every other key stays where it was.
+    assert all(during[k] is before[k] for k in keys if before[k] is not e1)
+    moved = {during[k].url for k in keys if before[k] is e1}
+    assert moved == {"http://e0", "http://e2"}
+    ups.record_probe(e1, True)
+    assert {k: pool.pick(key=k) for k in keys} == before
+
+
+def test_a_keyed_pick_leaves_its_encoder_when_it_is_busier_than_the_slack():
+    from epdctl.proxy.upstreams import KEY_AFFINITY_SLACK
+
+    pool = pools(encode=("http://e0", "http://e1")).pools["encode"]
+    home = pool.pick(key="k")
+    other = next(i for i in pool.instances if i is not home)
+    home.outstanding = KEY_AFFINITY_SLACK
+    assert pool.pick(key="k") is home  # busier, but within the slack
+    home.outstanding = KEY_AFFINITY_SLACK + 1
+    assert pool.pick(key="k") is other
+    other.outstanding = 1
+    assert pool.pick(key="k") is home
+    assert pool.pick(avoid=home, key="k") is other  # a retry goes elsewhere

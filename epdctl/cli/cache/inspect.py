@@ -14,10 +14,12 @@ from rich.table import Table
 from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
-from epdctl.cli._render import duration, size
+from epdctl.cli._render import duration, percent, size
 from epdctl.cli.cache._store import StoreView, resolve_store, store_dir_option
 
-_COLUMNS = ("ENTRIES", "SIZE", "PINNED", "HITS", "MISSES", "SAVES", "LOADS", "OLDEST", "NEWEST")
+_COLUMNS = ("ENTRIES", "SIZE", "PINNED", "HITS", "MISSES", "SAVES", "LOADS", "HIT%", "OLDEST",
+            "NEWEST")
+HIT_LEGEND = "HIT% = the proxy's store lookups that found the item (no encoder round trip)"
 
 
 @click.command()
@@ -51,10 +53,12 @@ def collect(view: StoreView, show_entries: bool) -> dict[str, Any]:
     """The `cache inspect --json` document (stable keys)."""
     from epdctl.cache.listing import inspect as list_namespaces
     from epdctl.cache.listing import list_entries
+    from epdctl.cache.stats import hit_ratio
 
     namespaces = []
     for stats in list_namespaces(view.root):
         row = dataclasses.asdict(stats)
+        row["hit_ratio"] = hit_ratio(row)
         row["active"] = stats.namespace == view.active_namespace
         if show_entries:
             items = list_entries(view.root, stats.namespace)
@@ -96,6 +100,7 @@ def _namespace_table(namespaces: list[dict[str, Any]], now: float) -> Table:
             ns["misses"],
             ns["saves"],
             ns["loads"],
+            percent(ns["hit_ratio"]),
             _age(now, ns["oldest"]),
             _age(now, ns["newest"]),
         )
@@ -113,6 +118,8 @@ def _footer(doc: dict[str, Any]) -> str:
         line += f"; filesystem {size(fs['free_bytes'])} free of {size(fs['total_bytes'])}"
     if doc["active_namespace"]:
         line += "; * = the running topology's namespace"
+    if any(ns["lookups"] for ns in doc["namespaces"]):
+        line += f"\n{HIT_LEGEND}"
     return line
 
 

@@ -1,0 +1,125 @@
+"""The proxy's look into the topology's EC store: an item already there needs no E round trip.
+
+The proxy shares the host with the store, so before the E stage it checks each item's entry
+the way a consumer does (epdctl.cache: header, key, namespace, size; no pin) and keeps E's
+per-item metadata beside the entry when E answers, so a skipped item can still be rewritten
+to `*_embeds` metadata. A look is only a hint: the entry may go before PD loads it, and then
+PD encodes the media itself, or a rewritten request is resent with its media
+(generate.next_attempt). Stdlib and epdctl.cache only: no vLLM here.
+
+File-system calls cost far more inside the busy proxy than their own time (measured: a
+missed lookup by open(2) added ~5 % of the proxy's CPU per image request), so a key is
+checked on disk only when an index says its entry may be there: the names the last scan of
+`entries/` saw (every SCAN_INTERVAL_S) and the keys E answered for since. An entry another
+writer made since the last scan is found by the next one; until then its item goes to E.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from epdctl.cache._format import key_filename
+from epdctl.cache.sidecar import read_meta, write_meta
+from epdctl.cache.stats import StatsWriter
+from epdctl.cache.store import Miss, Store
+from epdctl.proxy.routing import MediaItem
+
+STATS_WRITER = "proxy"
+"""The proxy's counters file in the namespace's stats/ (`cache inspect`, `status`)."""
+SCAN_INTERVAL_S = 1.0
+"""How often the index is rebuilt from `entries/`, E's metadata written beside its entries
+and the counters flushed."""
+
+
+@dataclass(frozen=True)
+class Hit:
+    """An item whose entry is in the store, with what E reported for it (if kept)."""
+
+    key: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    """E's whole ec_transfer_params entry for the item, as PD would have got it."""
+
+
+class StoreLookup:
+    """Looks items up in one namespace and keeps E's metadata there; counts both."""
+
+    def __init__(self, store_dir: str, namespace: str) -> None:
+        # Refused (not the user's alone, see epdctl.private): every look is a miss.
+        self.store = Store(store_dir, namespace).open()
+        self.reporting: set[str] = set()
+        """Modalities E has reported metadata for since this proxy started."""
+        self._stems: set[str] = set()  # entries the last scan saw, and E's keys since
+        self._fresh: dict[str, dict[str, Any]] = {}  # E's entries not yet kept beside theirs
+        # Plain counts on the hot path; scan() writes them for `cache inspect`.
+        self.lookups = self.skipped = self.sent = 0
+        self._stats = StatsWriter(self.store.root, STATS_WRITER)
+        self._flushed = (0, 0, 0)
+        self.scan()
+
+    def find(self, unique: dict[str, MediaItem], needs_metadata: bool) -> dict[str, Hit]:
+        """The items (by uuid) whose entry is complete and valid now.
+
+        With `needs_metadata` (the rewrite is on) an entry without kept metadata is no hit
+        for a modality E reports metadata for: E's answer will keep it, and later requests
+        are rewritten again instead of PD preprocessing their media from then on.
+        """
+        hits = {}
+        for uuid, item in unique.items():
+            stem = key_filename(uuid)
+            if stem not in self._stems:
+                continue
+            if isinstance(self.store.check(uuid), Miss):
+                self._stems.discard(stem)
+                continue
+            entry = self._fresh.get(uuid) or read_meta(self.store, uuid)
+            if entry is None and needs_metadata and item.modality in self.reporting:
+                continue
+            # Used now: the janitor's LRU and grace period count from here, so the entry
+            # stays at least `cache.grace` for PD's load. False: it went since the check.
+            if not self.store.touch(uuid):
+                continue
+            hits[uuid] = Hit(uuid, entry["metadata"] if entry else {}, entry or {})
+        return hits
+
+    def keep(self, item: MediaItem, key: str, entry: dict[str, Any]) -> None:
+        """After E answered for `item`: its entry is in the store now (E saves before it
+        answers); its metadata goes beside it at the next scan."""
+        # A key other than the uuid (mm kwargs, LoRA prefix) can never be looked up by uuid.
+        if key != item.uuid:
+            return
+        self._stems.add(key_filename(key))
+        if entry.get("metadata"):
+            self.reporting.add(item.modality)
+            self._fresh[key] = entry
+
+    def count(self, lookups: int, skipped: int, sent: int) -> None:
+        self.lookups += lookups
+        self.skipped += skipped
+        self.sent += sent
+
+    def scan(self) -> None:
+        """Rebuild the index from `entries/`, keep E's fresh metadata beside the entries it
+        describes (atomically), and flush the counters if they changed."""
+        stems = self.store.entry_stems()
+        for key, entry in self._fresh.items():
+            if key_filename(key) in stems:
+                write_meta(self.store, key, entry)
+        self._fresh.clear()
+        self._stems = stems
+        totals = (self.lookups, self.skipped, self.sent)
+        if totals != self._flushed:
+            self._stats.set_totals(lookups=totals[0], skipped=totals[1], sent=totals[2])
+            self._stats.flush()  # best effort, like every stats writer
+            self._flushed = totals
+
+    async def run_scans(self) -> None:
+        """scan() every SCAN_INTERVAL_S; a task beside the server, cancelled with it."""
+        while True:
+            await asyncio.sleep(SCAN_INTERVAL_S)
+            self.scan()
+
+    def close(self) -> None:
+        self.scan()
