@@ -188,6 +188,8 @@ def _serve_fakes(e_port: int, pd_port: int, store_dir: str, namespace: str, e_de
     async def health(_: web.Request) -> web.Response:
         return web.json_response({})
 
+    slots = asyncio.Semaphore(e_slots)  # bound to a loop at first use (Python >= 3.10)
+
     async def encode(request: web.Request) -> web.Response:
         key = (await request.json())["messages"][0]["content"][0]["uuid"]
         async with slots:  # an encoder runs a few items at a time: the rest queue
@@ -210,8 +212,6 @@ def _serve_fakes(e_port: int, pd_port: int, store_dir: str, namespace: str, e_de
         return web.json_response(count)
 
     async def main() -> None:
-        nonlocal slots
-        slots = asyncio.Semaphore(e_slots)
         for port, route in ((e_port, encode), (pd_port, generate)):
             app = web.Application(client_max_size=64 << 20)
             app.add_routes([web.get("/health", health), web.post(CHAT, route),
@@ -221,7 +221,6 @@ def _serve_fakes(e_port: int, pd_port: int, store_dir: str, namespace: str, e_de
             await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()
 
-    slots: asyncio.Semaphore
     asyncio.run(main())
 
 
