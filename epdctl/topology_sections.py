@@ -161,6 +161,11 @@ class Proxy(BaseModel):
     skip_cached_items: Bool = _PROXY["skip_cached_items"]
     """Send no item to an encoder whose embeddings are already in the EC store (E's metadata
     for the rewrite is kept beside the entry)."""
+    overlap: Bool = _PROXY["overlap"]
+    """Send PD (or P) its request while E encodes, not after: PD parses and preprocesses
+    meanwhile, then waits for the entries E is computing (a pending mark per item in the
+    store, cleared when E answers; past `encode_timeout` PD encodes the item itself). Items
+    that would be rewritten to E's metadata (`metadata_rewrite`) still wait for E."""
     encode_timeout: Seconds = _PROXY["encode_timeout_s"]
     """Deadline for an encoder's answer to one media item."""
     prefill_timeout: Seconds = _PROXY["prefill_timeout_s"]

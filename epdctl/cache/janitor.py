@@ -12,13 +12,15 @@ from pathlib import Path
 from epdctl.cache import _recycle
 from epdctl.cache._scan import Entry, listdir, namespace_dirs, scan_entries
 from epdctl.cache.sidecar import META_SUFFIX, entry_of, sidecar_of
-from epdctl.cache.store import ENTRIES, PINS, TMP
+from epdctl.cache.store import ENTRIES, PENDING, PINS, TMP
 
 # A pin not read within this long belongs to a load that will never happen (the request
 # was aborted, or KV allocation failed after has_cache_item); the inode can go.
 PIN_TTL_S = 600.0
 # A tmp file whose writer is alive is removed only past this age (a write takes < 1 s).
 TMP_TTL_S = 600.0
+# A pending mark holds its deadline as mtime; past it by this long its proxy is long done.
+PENDING_TTL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class Removed:
     path: str
     size_bytes: int
     # ttl, budget, namespace, all, older-than, stale-pin, orphan-tmp, orphan-meta, pooled,
-    # empty-namespace
+    # stale-pending, empty-namespace
     reason: str
 
 
@@ -195,6 +197,7 @@ def _sweep(
         report.removed.extend(_stale_pins(d, now, pin_ttl_s, dry_run))
         report.removed.extend(_orphan_tmp(d, now, dry_run))
         report.removed.extend(_orphan_meta(d, now, grace_s, dry_run))
+        report.removed.extend(_stale_pending(d, now, dry_run))
         if drop_empty(d.name) and _is_empty(d, doomed, report, dry_run):
             if not dry_run:
                 shutil.rmtree(d, ignore_errors=True)
@@ -234,6 +237,17 @@ def _orphan_tmp(ns_dir: Path, now: float, dry_run: bool) -> Iterator[Removed]:
             yield Removed(ns_dir.name, path, st.st_size, "orphan-tmp")
 
 
+def _stale_pending(ns_dir: Path, now: float, dry_run: bool) -> Iterator[Removed]:
+    """Pending marks whose deadline is long past (their proxy died before clearing them)."""
+    for path in listdir(ns_dir / PENDING):
+        try:
+            deadline = os.stat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        if now - deadline > PENDING_TTL_S and _remove(path, dry_run):
+            yield Removed(ns_dir.name, path, 0, "stale-pending")
+
+
 def _orphan_meta(ns_dir: Path, now: float, grace_s: float, dry_run: bool) -> Iterator[Removed]:
     """Sidecars whose entry is gone (its eviction raced the proxy's write), past the grace."""
     for path in listdir(ns_dir / ENTRIES):
@@ -249,7 +263,7 @@ def _orphan_meta(ns_dir: Path, now: float, grace_s: float, dry_run: bool) -> Ite
 
 def _is_empty(ns_dir: Path, doomed: dict[str, str], report: EvictionReport, dry_run: bool) -> bool:
     gone = {r.path for r in report.removed} | set(doomed) if dry_run else set()
-    for sub in (ENTRIES, PINS, TMP):
+    for sub in (ENTRIES, PINS, TMP, PENDING):
         # Sidecars alone keep nothing alive: they mean nothing without their entries.
         if any(p not in gone and not p.endswith(META_SUFFIX) for p in listdir(ns_dir / sub)):
             return False

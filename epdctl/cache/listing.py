@@ -30,9 +30,12 @@ class NamespaceStats:
     loads: int
     save_failures: int
     load_failures: int
-    lookups: int
-    skipped: int
-    sent: int
+    waits: int = 0
+    wait_s: float = 0.0
+    expired: int = 0
+    lookups: int = 0
+    skipped: int = 0
+    sent: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ def inspect(store_root: Path) -> list[NamespaceStats]:
                 pins=len(listdir(ns_dir / PINS)),
                 oldest=min(times, default=None),
                 newest=max(times, default=None),
-                **{k: int(counts.get(k, 0)) for k in COUNTERS},
+                **{k: int(counts.get(k, 0)) for k in COUNTERS if k != "wait_s"},
+                wait_s=float(counts.get("wait_s", 0.0)),
             )
         )
     return result

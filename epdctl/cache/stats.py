@@ -18,10 +18,12 @@ FLUSH_INTERVAL_S = 1.0
 # Per-key hit counts kept per writer; older keys fall off so the file stays small.
 MAX_KEYS = 1000
 COUNTERS = ("hits", "misses", "invalid", "saves", "save_failures", "loads", "load_failures",
-            "lookups", "skipped", "sent")
-"""Engines count hits (per request item) to sent; the proxy counts the last three, per
-distinct media item of a request: looked up in the store, found there (no E sub-request),
-sent to an encoder."""
+            "waits", "wait_s", "expired", "lookups", "skipped", "sent")
+"""Engines count hits (per request item) to load_failures; consumers count the items they
+waited for while an encoder computed them (overlap), the seconds waited, and the waits that
+ended without the entry (then the item was encoded locally); the proxy counts the last
+three, per distinct media item of a request: looked up in the store, found there (no E
+sub-request), sent to an encoder."""
 
 
 def hit_ratio(counts: Counter[str] | dict[str, float]) -> float | None:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # EntryHeader and MAPPINGS (the entry format, the process's kept mappings) are this module's
 # public names for the connector's I/O, as well as the store's own.
 
-ENTRIES, PINS, TMP, STATS = "entries", "pins", "tmp", "stats"
+ENTRIES, PINS, TMP, STATS, PENDING = "entries", "pins", "tmp", "stats", "pending"
 
 # Writes an entry's payload into its mapped bytes (a memoryview of exactly its size).
 Fill = Callable[[memoryview], None]
@@ -74,6 +74,7 @@ class Store:
         self.entries = self.root / ENTRIES
         self.pins = self.root / PINS
         self.tmp = self.root / TMP
+        self.pending = self.root / PENDING
         self.free = self.root / _recycle.FREE
         self._spare: str | None = None  # the file this writer last put in the pool
         self.refused: str | None = None
@@ -85,7 +86,8 @@ class Store:
         make_store_dir(self.root.parent)
         make_store_dir(self.root)
         # Inside a directory only we can write to, nobody else can have made these.
-        for path in (self.entries, self.pins, self.tmp, self.free, self.root / STATS):
+        for path in (self.entries, self.pins, self.tmp, self.free, self.pending,
+                     self.root / STATS):
             path.mkdir(mode=private.DIR_MODE, exist_ok=True)
         return self
 
@@ -104,6 +106,39 @@ class Store:
 
     def has_entry(self, key: str) -> bool:
         return self.refused is None and os.path.exists(self.entry_path(key))
+
+    def pending_path(self, key: str) -> str:
+        return f"{self.pending}/{key_filename(key)}"
+
+    def mark_pending(self, key: str, until: float) -> bool:
+        """Say that an encoder is computing `key`'s entry, until epoch `until` at the
+        latest: a consumer waits for the entry meanwhile instead of encoding the item itself.
+        The mark is an empty file whose mtime is the deadline (one stat reads it)."""
+        if self.refused is not None:
+            return False
+        path = self.pending_path(key)
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, private.FILE_MODE))
+            os.utime(path, (until, until))
+        except OSError:
+            return False
+        return True
+
+    def clear_pending(self, key: str) -> None:
+        """The encoder answered (its entry is in, or will never be): nobody waits more."""
+        try:
+            os.unlink(self.pending_path(key))
+        except OSError:
+            pass
+
+    def pending_until(self, key: str) -> float | None:
+        """The deadline of `key`'s pending mark (epoch seconds), or None if unmarked."""
+        if self.refused is not None:
+            return None
+        try:
+            return os.stat(self.pending_path(key)).st_mtime
+        except OSError:
+            return None
 
     def entry_stems(self) -> set[str]:
         """The file-name stems (key_filename) of every entry now: one listdir, no stat."""

@@ -24,6 +24,9 @@ logger = init_logger(f"vllm.{__name__}")
 
 # Held pins get fresh names after this long, well inside the janitor's PIN_TTL_S.
 PIN_RENEW_S = 120.0
+# The longest a request waits for one item an encoder is computing (a pending mark), even
+# if the mark says longer: then it encodes the item itself.
+MAX_PENDING_WAIT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class SchedulerSide:
         self._failed: set[str] = set()
         self._unavailable: set[str] = set()
         self._seen: set[str] = set()
+        self._waiting: dict[tuple[str, str], float] = {}  # (request, item) -> waiting since
         self._meta = EpdctlECMetadata()
 
     def has(self, key: str) -> bool:
@@ -116,11 +120,38 @@ class SchedulerSide:
             if isinstance(result, Pin):
                 self._pins[key] = _Held(result, {rid})
                 self._count_hit(rid, index, key)
+                self._end_wait(rid, key, landed=True)
                 continue
+            if result.is_missing and self._is_pending(rid, key):
+                return False  # asked again next step; other requests are scheduled meanwhile
             self._stat(misses=1, invalid=0 if result.is_missing else 1)
             if not self._miss(request, feature, result):
                 return False
         return True
+
+    def _is_pending(self, rid: str, key: str) -> bool:
+        """Whether to wait for `key`: an encoder is computing it (the proxy sent this
+        request before E answered) and its mark's deadline, and ours, are still ahead."""
+        until = self._store.pending_until(key)
+        since = self._waiting.get((rid, key))
+        now = time.monotonic()
+        if until is not None and until > time.time() and (
+                since is None or now - since < MAX_PENDING_WAIT_S):
+            if since is None:
+                self._waiting[(rid, key)] = now
+                self._stat(waits=1)
+            return True
+        self._end_wait(rid, key, landed=False)
+        return False
+
+    def _end_wait(self, rid: str, key: str, *, landed: bool) -> None:
+        """A wait is over: the entry landed, or E failed or ran out of time (local encode)."""
+        since = self._waiting.pop((rid, key), None)
+        if since is not None:
+            self._stat(wait_s=time.monotonic() - since, **({} if landed else {"expired": 1}))
+            if not landed:
+                logger.info("EC entry %s did not arrive while %s waited: encoding it locally",
+                            key, rid)
 
     def _count_hit(self, rid: str, index: int, key: str) -> None:
         """One hit per request item: a chunked prefill asks again (and pins again) each step."""
@@ -170,6 +201,7 @@ class SchedulerSide:
         self._failed.discard(rid)
         self._seen.discard(rid)
         for feature in request.mm_features:
+            self._waiting.pop((rid, feature.identifier), None)  # aborted while waiting
             held = self._pins.get(feature.identifier)
             # Pins never handed to a worker have no load in flight: safe to drop.
             if held is not None and not (held.requests - {rid}):

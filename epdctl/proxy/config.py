@@ -73,6 +73,10 @@ class ProxyConfig:
                               "item by its content, for proxies shared by several people")
     skip_cached_items: bool = knob(True, "--skip-cached-items", "send an item to no encoder "
                                    "when its entry is already in the EC store (--store-dir)")
+    overlap: bool = knob(True, "--overlap", "send PD (or P) its request while E encodes, not "
+                         "after: PD prepares it meanwhile and waits for the entries E is "
+                         "computing (with --store-dir; items rewritten to metadata still wait "
+                         "for E)")
     store_dir: str = knob("", "--store-dir", "root of the topology's shared-memory EC store, "
                           "looked in before the E stage (with --namespace); empty: never "
                           "skips", metavar="DIR")
@@ -150,8 +154,17 @@ class ProxyConfig:
     @property
     def should_look_up(self) -> bool:
         """Whether items are looked up in the store before the E stage."""
-        return self.skip_cached_items and bool(self.store_dir) and bool(self.encode) \
-            and self.ec_protocol == "shared"
+        return self.skip_cached_items and self.has_store
+
+    @property
+    def should_overlap(self) -> bool:
+        """Whether PD gets its request while E still encodes (pending marks in the store)."""
+        return self.overlap and self.has_store
+
+    @property
+    def has_store(self) -> bool:
+        """Whether the proxy knows the topology's EC store (epdctl's own, on this host)."""
+        return bool(self.store_dir) and bool(self.encode) and self.ec_protocol == "shared"
 
     @property
     def is_split(self) -> bool:

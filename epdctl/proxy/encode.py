@@ -45,6 +45,20 @@ class Encoded:
     """uuid -> why E could not encode it."""
 
 
+@dataclass
+class Looked:
+    """A request's distinct media items after the store look: hits and what E must do."""
+
+    hits: Encoded
+    """What the store gave (filled in further by fan_out)."""
+    unique: dict[str, MediaItem]
+    """uuid -> item, for the items E must encode."""
+    is_keyed: bool
+    """Whether E's keys are the uuids (no per-request mm kwargs): marks and looks work."""
+    lookups: int = 0
+    skipped: int = 0
+
+
 class Encoder:
     """Fans media out to the encode pool; a failed item falls back to raw media on PD.
 
@@ -67,28 +81,45 @@ class Encoder:
         Without a consumer a failed item is a fallback (PD encodes it); with one it is not:
         a Mooncake consumer cannot encode, so the caller decides what a failure means.
         """
+        return await self.fan_out(body, self.look(body, items, trace, consumer_zmq), trace,
+                                  consumer_zmq)
+
+    def look(self, body: dict[str, Any], items: list[MediaItem], trace: Trace,
+             consumer_zmq: str | None = None) -> Looked:
+        """The distinct items, and which of them the store already holds (no E for those)."""
         unique: dict[str, MediaItem] = {}
         for item in items:
             if item.uuid is not None:
                 unique.setdefault(item.uuid, item)
-        if not unique:
-            return Encoded()
-        out = Encoded()
-        looked = skipped = 0
         # Per-request mm kwargs fold into E's key, which the proxy cannot compute.
-        if self.lookup is not None and consumer_zmq is None \
-                and not any(body.get(k) for k in MM_KWARGS):
-            looked = len(unique)
+        is_keyed = consumer_zmq is None and not any(body.get(k) for k in MM_KWARGS)
+        looked = Looked(Encoded(), unique, is_keyed)
+        if unique and is_keyed and self.lookup is not None and self.config.should_look_up:
+            looked.lookups = len(unique)
+            out = looked.hits
             for uuid, hit in self.lookup.find(unique, self.config.metadata_rewrite).items():
                 out.reported[uuid] = (hit.key, hit.metadata)
                 if hit.params:
                     out.params[hit.key] = hit.params
                 del unique[uuid]
-                skipped += 1
-            if skipped:
-                trace.notes.append(f"cached={skipped}")
+                looked.skipped += 1
+            if looked.skipped:
+                trace.notes.append(f"cached={looked.skipped}")
+        return looked
+
+    def will_send(self, looked: Looked) -> bool:
+        """Whether fan_out will send anything to an encoder."""
+        return bool(looked.unique) and bool(self.pool.healthy)
+
+    async def fan_out(self, body: dict[str, Any], looked: Looked, trace: Trace,
+                      consumer_zmq: str | None = None) -> Encoded:
+        """E for the items the store lacks; what they and the store's hits give PD."""
+        out, unique = looked.hits, looked.unique
+        looked_up, skipped = looked.lookups, looked.skipped
+        if not unique and not looked_up:
+            return out
         if not unique or (not self.pool.healthy and consumer_zmq is None):
-            self._count(looked, skipped, 0)
+            self._count(looked_up, skipped, 0)
             if unique:
                 # Every encoder is ejected (dead or hung): PD encodes at once, instead of
                 # each request waiting out a refused connection or encode_timeout on it. The
@@ -97,7 +128,7 @@ class Encoder:
                 trace.fallbacks.extend("encoder" for _ in unique)
                 self.metrics.fallbacks.labels("encoder").inc(len(unique))
             return out
-        self._count(looked, skipped, len(unique))
+        self._count(looked_up, skipped, len(unique))
         self.metrics.fanout.observe(len(unique))
         started = time.perf_counter()
         results: dict[str, tuple[str, dict[str, Any], dict[str, Any], str | None] | str] = {}

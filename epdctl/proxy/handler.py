@@ -13,7 +13,7 @@ from typing import Any
 from epdctl.proxy import responses
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
-from epdctl.proxy.encode import Encoder
+from epdctl.proxy.encode import Encoder, Looked
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError, bad_request
 from epdctl.proxy.generate import Answer, Generator, StageFailed
 from epdctl.proxy.lookup import StoreLookup
@@ -72,7 +72,8 @@ class ProxyHandler:
         self.metrics.inflight.set_function(lambda: self.inflight)  # read at scrape time
         encode_pool = self.upstreams.pools.get("encode")
         self.lookup = None
-        if config.should_look_up:
+        self._background: set[asyncio.Task[None]] = set()  # E stages beside PD (overlap)
+        if config.should_look_up or config.should_overlap:
             self.lookup = StoreLookup(config.store_dir, config.namespace)
         self.encoder = None
         if encode_pool:
@@ -93,7 +94,10 @@ class ProxyHandler:
         return False
 
     def close(self) -> None:
-        """Flush what outlives the app (the store counters); __main__ calls it on exit."""
+        """Flush what outlives the app (the store counters); __main__ calls it on exit.
+        E stages still running beside PD are cancelled (their marks go as they unwind)."""
+        for task in self._background:
+            task.cancel()
         if self.lookup is not None:
             self.lookup.close()
 
@@ -242,10 +246,20 @@ class ProxyHandler:
         assert self.encoder is not None
         if route == RESPONSES:
             view, moved = responses.encoder_view(body, items)
-            encoded = await self.encoder.run(view, moved, trace)
+            looked = self.encoder.look(view, moved, trace)
+            if self._overlaps(looked, moved, has_rewrite=False):
+                self._overlap(view, looked, trace)
+                encoded = looked.hits
+            else:
+                encoded = await self.encoder.fan_out(view, looked, trace)
             keyed = responses.pd_body(body, items, encoded.params)
             return keyed, keyed, False
-        encoded = await self.encoder.run(body, items, trace)
+        looked = self.encoder.look(body, items, trace)
+        if self._overlaps(looked, items, has_rewrite=self.config.metadata_rewrite):
+            self._overlap(body, looked, trace)
+            first = pd_body(body, items, looked.hits.reported, looked.hits.params, False)[0]
+            return first, first, False
+        encoded = await self.encoder.fan_out(body, looked, trace)
         first, is_rewritten = pd_body(body, items, encoded.reported, encoded.params,
                                       self.config.metadata_rewrite)
         if not is_rewritten:
@@ -253,6 +267,47 @@ class ProxyHandler:
         # The fallback: the media themselves.
         second = pd_body(body, items, encoded.reported, encoded.params, False)[0]
         return first, second, True
+
+    def _overlaps(self, looked: Looked, items: list[MediaItem], *, has_rewrite: bool) -> bool:
+        """Whether PD gets the request now, E's items marked pending, instead of after E.
+
+        Not when nothing goes to E, when E's keys are not the uuids (PD would find no mark),
+        nor where the media may be rewritten to E's metadata, which only E's answer gives: a
+        modality overlaps once E has answered for it without metadata (LLaVA), never while
+        it reports some (the Qwen2-VL family) or before E has said either.
+        """
+        known = self.lookup
+        if known is None or not self.config.should_overlap or not looked.is_keyed \
+                or self.encoder is None or not self.encoder.will_send(looked):
+            return False
+        return not has_rewrite or all(it.modality in known.silent and it.modality not in
+                                      known.reporting for it in items)
+
+    def _overlap(self, body: dict[str, Any], looked: Looked, trace: Trace) -> None:
+        """Mark E's items pending in the store and start E beside PD; the marks go when E
+        answers, fails or times out (then PD encodes what it still lacks)."""
+        assert self.encoder is not None and self.lookup is not None
+        store = self.lookup.store
+        deadline = time.time() + self.config.encode_timeout_s
+        keys = [key for key in looked.unique if store.mark_pending(key, deadline)]
+        trace.notes.append("overlap=1")
+        self.metrics.overlapped.inc()
+
+        async def encode() -> None:
+            try:
+                await self.encoder.fan_out(body, looked, trace)  # type: ignore[union-attr]
+            finally:
+                for key in keys:
+                    store.clear_pending(key)
+
+        task = asyncio.ensure_future(encode())
+        self._background.add(task)  # kept referenced until done
+        task.add_done_callback(self._background.discard)
+
+    async def settle(self) -> None:
+        """Wait for the E stages still running beside PD (overlap); tests and shutdown."""
+        while self._background:
+            await asyncio.wait(set(self._background))
 
     def _finish(self, trace: Trace, status: int | str) -> None:
         outcome = outcome_of(status) if isinstance(status, int) else "cancelled"

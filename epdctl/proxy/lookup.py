@@ -51,6 +51,8 @@ class StoreLookup:
         self.store = Store(store_dir, namespace).open()
         self.reporting: set[str] = set()
         """Modalities E has reported metadata for since this proxy started."""
+        self.silent: set[str] = set()
+        """Modalities E has answered for without metadata (nothing to rewrite them to)."""
         self._stems: set[str] = set()  # entries the last scan saw, and E's keys since
         self._fresh: dict[str, dict[str, Any]] = {}  # E's entries not yet kept beside theirs
         # Plain counts on the hot path; scan() writes them for `cache inspect`.
@@ -87,12 +89,13 @@ class StoreLookup:
     def keep(self, item: MediaItem, key: str, entry: dict[str, Any]) -> None:
         """After E answered for `item`: its entry is in the store now (E saves before it
         answers); its metadata goes beside it at the next scan."""
+        has_metadata = bool(entry.get("metadata"))
+        (self.reporting if has_metadata else self.silent).add(item.modality)
         # A key other than the uuid (mm kwargs, LoRA prefix) can never be looked up by uuid.
         if key != item.uuid:
             return
         self._stems.add(key_filename(key))
-        if entry.get("metadata"):
-            self.reporting.add(item.modality)
+        if has_metadata:
             self._fresh[key] = entry
 
     def count(self, lookups: int, skipped: int, sent: int) -> None:

@@ -38,6 +38,9 @@ class Metrics:
         self.skipped = Counter(
             "epdctl_proxy_items_skipped", "Media items found in the EC store: no E "
             "sub-request.", registry=registry)
+        self.overlapped = Counter(
+            "epdctl_proxy_overlapped_requests", "Requests sent to PD (or P) while E still "
+            "encoded their media (overlap; PD waits for the entries).", registry=registry)
         self.sent = Counter(
             "epdctl_proxy_items_sent", "Media items sent to an encoder.", registry=registry)
         self.fallbacks = Counter(

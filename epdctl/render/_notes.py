@@ -21,7 +21,8 @@ def _ec_notes(topology: Topology, options: K8sOptions) -> list[str]:
     lines = [
         f"EC transfer uses {name}, not {cache.CONNECTOR_NAME}: a shared-memory store does not "
         "cross nodes (the cache: section is not used, and the proxy sends every media item to "
-        "an encoder: proxy.skip_cached_items needs that store)."
+        "an encoder after E answers: proxy.skip_cached_items and proxy.overlap need that "
+        "store)."
     ]
     if name == "ECMooncakeConnector":
         lines += [

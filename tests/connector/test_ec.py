@@ -341,3 +341,81 @@ def test_metadata_objects_are_not_reused(store_root: Path) -> None:
     second = sched.build_connector_meta(None)  # type: ignore[arg-type]
     assert first is not second and len(first.loads) == 1 and second.loads == []  # type: ignore[attr-defined]
     assert sched.has_pending_push_work() is False
+
+
+def test_a_pending_item_defers_until_its_entry_lands(store_root: Path) -> None:
+    """Overlap: the proxy marked the item pending (E is computing it), so PD waits for the
+    entry instead of encoding; then it loads it like any other entry."""
+    import time
+
+    t = torch.randn(6, 16)
+    sched, worker = make(store_root, SCHED, "ec_consumer"), make(store_root, WORKER, "ec_consumer")
+    store = Store(store_root, NS).create()
+    assert store.mark_pending("img", time.time() + 60)
+    req = request("r1", feature("img", 6))
+    for _ in range(3):  # asked again every step while E works
+        assert sched.ensure_cache_available(req, 0) is False
+        assert sched.has_cache_item("img") is False
+    produce(store_root, "img", t)
+    store.clear_pending("img")  # the proxy, once E answered
+    assert sched.ensure_cache_available(req, 0) is True
+    assert sched.has_cache_item("img") is True
+    sched.update_state_after_alloc(req, 0)
+    cache: dict = {}
+    step(sched, worker, cache)
+    assert torch.equal(cache["img"], t)
+    sched.request_finished(req)
+    sched.shutdown()
+    worker.shutdown()
+    counts, _ = read_stats(store_root / NS)
+    assert (counts["waits"], counts["expired"], counts["hits"], counts["misses"]) == (1, 0, 1, 0)
+    assert counts["wait_s"] > 0
+
+
+@pytest.mark.parametrize("how", ["cleared", "past-deadline"])
+def test_a_pending_item_whose_entry_never_comes_is_encoded_locally(
+    store_root: Path, how: str
+) -> None:
+    """E failed (the proxy cleared the mark without an entry) or the mark's deadline passed
+    (the proxy died): PD encodes the item itself, and other requests were never held."""
+    import time
+
+    sched = make(store_root, SCHED, "ec_consumer")
+    store = Store(store_root, NS).create()
+    produce(store_root, "other", torch.randn(6, 16))
+    assert store.mark_pending("img", time.time() + (60 if how == "cleared" else 0.05))
+    waiting = request("r1", feature("img", 6))
+    assert sched.ensure_cache_available(waiting, 0) is False
+    # Another request on the same PD is scheduled meanwhile.
+    other = request("r2", feature("other", 6))
+    assert sched.ensure_cache_available(other, 0) is True and sched.has_cache_item("other")
+    if how == "cleared":
+        store.clear_pending("img")
+    else:
+        deadline = store.pending_until("img")
+        assert deadline is not None
+        while time.time() <= deadline:  # the mark's own deadline, an observed event
+            time.sleep(0.01)
+    assert sched.ensure_cache_available(waiting, 0) is True
+    assert sched.has_cache_item("img") is False  # encoded locally
+    assert sched.take_unavailable_requests() == set()
+    sched.shutdown()
+    counts, _ = read_stats(store_root / NS)
+    assert (counts["waits"], counts["expired"], counts["misses"]) == (1, 1, 1)
+
+
+def test_a_metadata_only_request_waits_too_and_fails_only_when_nothing_comes(
+    store_root: Path,
+) -> None:
+    import time
+
+    sched = make(store_root, SCHED, "ec_consumer")
+    store = Store(store_root, NS).create()
+    store.mark_pending("img", time.time() + 60)
+    req = request("r1", feature("img", 6, media=False))
+    assert sched.ensure_cache_available(req, 0) is False
+    assert sched.take_unavailable_requests() == set()  # waiting, not failed
+    store.clear_pending("img")
+    assert sched.ensure_cache_available(req, 0) is False
+    assert sched.take_unavailable_requests() == {"r1"}
+    sched.shutdown()

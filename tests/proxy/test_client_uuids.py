@@ -27,7 +27,7 @@ NAMES = {url: name for name, url in URLS.items()}
 class Engines(Fakes):
     """E saves under the part's uuid; PD answers with the name of the image its key finds."""
 
-    store: dict[str, str] = field(default_factory=dict)
+    encoded: dict[str, str] = field(default_factory=dict)
     pd_cache: dict[str, str] = field(default_factory=dict)
     hits: list[str] = field(default_factory=list)
 
@@ -36,15 +36,15 @@ class Engines(Fakes):
         parts = [p for m in body.get("messages", ()) if isinstance(m["content"], list)
                  for p in m["content"] if p["type"] != "text"]
         if seen.instance.startswith("e"):
-            self.store[parts[0]["uuid"]] = parts[0]["image_url"]["url"]
+            self.encoded[parts[0]["uuid"]] = parts[0]["image_url"]["url"]
             return super().default(seen)
         answer = []
         for part in parts:
             url = part["image_url"]["url"]
             key = part.get("uuid")
-            if key in self.store:
+            if key in self.encoded:
                 self.hits.append(key)
-                url = self.store[key]
+                url = self.encoded[key]
             elif key is not None:
                 url = self.pd_cache.setdefault(key, url)
             answer.append(NAMES.get(url, "?"))
@@ -68,13 +68,13 @@ async def test_a_client_uuid_equal_to_a_content_key_does_not_alias_it(rig_factor
     blue_key = content_key("image", BLUE)
     # The attack: red pixels tagged with the blue image's content key.
     assert await ask(rig, image_part(RED, uuid=blue_key)) == "red"
-    assert blue_key not in fakes.store and blue_key not in fakes.pd_cache
+    assert blue_key not in fakes.encoded and blue_key not in fakes.pd_cache
     assert sent_uuids(fakes, "pd") == [client_key(blue_key)]
     assert await ask(rig, image_part(BLUE)) == "blue"
     # Content keys are what they were (without E, the proxy leaves them to vLLM).
     assert sent_uuids(fakes, "pd")[-1] == (blue_key if encode else None)
     if encode:
-        assert fakes.store == {client_key(blue_key): URLS["red"], blue_key: URLS["blue"]}
+        assert fakes.encoded == {client_key(blue_key): URLS["red"], blue_key: URLS["blue"]}
         assert sent_uuids(fakes, "e") == [client_key(blue_key), blue_key]
 
 
@@ -84,7 +84,7 @@ async def test_the_same_client_uuid_gets_the_same_key_and_hits(rig_factory):
     for _ in range(2):
         assert await ask(rig, image_part(RED, uuid="photo-1")) == "red"
     assert sent_uuids(fakes, "e") == sent_uuids(fakes, "pd") == [client_key("photo-1")] * 2
-    assert fakes.hits == [client_key("photo-1")] * 2 and len(fakes.store) == 1
+    assert fakes.hits == [client_key("photo-1")] * 2 and len(fakes.encoded) == 1
     assert await ask(rig, image_part(BLUE, uuid="photo-2")) == "blue"
     assert sent_uuids(fakes, "pd")[-1] == client_key("photo-2")
 

@@ -1,0 +1,161 @@
+"""Overlap: PD (or P) gets its request while E encodes; the items E computes are marked
+pending in the store until E answers, fails or runs out of time."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from epdctl.cache.store import Store
+from epdctl.proxy.media import content_key
+from tests.proxy.fakes import PNG, Fakes, Seen, image_part
+from tests.proxy.test_skip import NAMESPACE, with_store
+
+pytestmark = pytest.mark.anyio
+OTHER = PNG + b"other"  # another image: a miss in the store
+WAIT_S = 10.0  # an upper bound for an observed event, never a duration a test relies on
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path, NAMESPACE).create()
+
+
+async def until(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.005)
+
+
+def e_after_pd(fakes: Fakes, store: Store, key: str, seen_marks: list[float | None],
+               answer: httpx.Response | None = None) -> Any:
+    """An E that answers only once PD (or P) has its request, noting the item's mark."""
+
+    async def handler(seen: Seen) -> httpx.Response | None:
+        seen_marks.append(store.pending_until(key))
+        await until(lambda: fakes.posts("p"), "PD got its request before E answered")
+        return answer
+
+    return handler
+
+
+async def overlapped(rig) -> float:
+    text = (await rig.client.get("/metrics")).text
+    found = re.search(r"^epdctl_proxy_overlapped_requests_total (\S+)$", text, re.M)
+    return float(found[1]) if found else 0.0
+
+
+async def learned(rig) -> None:
+    """The first request for a modality waits for E (is there metadata to rewrite to?)."""
+    assert (await rig.chat([image_part(PNG + b"learn")])).status_code == 200
+    assert [s.instance for s in rig.fakes.posts("")] == ["e0", "pd0"]
+    rig.fakes.seen.clear()
+
+
+async def test_pd_gets_the_request_while_e_encodes_and_the_mark_goes_after(rig_factory, store):
+    rig = with_store(rig_factory, store)
+    await learned(rig)
+    key, marks = content_key("image", OTHER), []
+    rig.fakes.then("e0", e_after_pd(rig.fakes, store, key, marks))
+    reply = await rig.chat([image_part(OTHER), {"type": "text", "text": "x"}])
+    assert reply.status_code == 200
+    (pd,) = rig.fakes.posts("pd")
+    assert pd.body["messages"][0]["content"][0]["uuid"] == key  # the keyed image, as before
+    await until(lambda: marks, "E got its request")
+    assert marks[0] is not None and marks[0] > time.time()  # pending while E worked
+    await rig.proxy.settle()
+    assert store.pending_until(key) is None  # cleared once E answered
+    assert store.has_entry(key)
+    assert await overlapped(rig) == 1
+
+
+async def test_a_failed_encoder_clears_the_mark_so_pd_encodes_at_once(rig_factory, store):
+    rig = with_store(rig_factory, store)
+    await learned(rig)
+    key, marks = content_key("image", OTHER), []
+    rig.fakes.then("e0", e_after_pd(rig.fakes, store, key, marks,
+                                    httpx.Response(500, json={"error": "boom"})))
+    assert (await rig.chat([image_part(OTHER)])).status_code == 200
+    await until(lambda: marks, "E got its request")
+    assert marks[0] is not None
+    await rig.proxy.settle()
+    assert store.pending_until(key) is None  # cleared once E answered
+    assert not store.has_entry(key)
+    assert rig.fakes.posts("pd")[0].body["messages"][0]["content"][0]["type"] == "image_url"
+
+
+@pytest.mark.parametrize("mode", ["e-p-d", "streamed"])
+async def test_p_or_a_streamed_pd_overlaps_too(rig_factory, store, mode):
+    kwargs = ({"prefill": ("http://p0",), "decode": ("http://d0",)} if mode == "e-p-d"
+              else {})
+    rig = with_store(rig_factory, store, **kwargs)
+    assert (await rig.chat([image_part(PNG + b"learn")])).status_code == 200  # E first
+    rig.fakes.seen.clear()
+    key, marks = content_key("image", OTHER), []
+    rig.fakes.then("e0", e_after_pd(rig.fakes, store, key, marks))
+    reply = await rig.chat([image_part(OTHER)], stream=mode == "streamed")
+    assert reply.status_code == 200
+    await until(lambda: marks, "E got its request")
+    assert marks[0] is not None
+    if mode == "e-p-d":
+        names = [s.instance for s in rig.fakes.posts("")]
+        assert sorted(names) == ["d0", "e0", "p0"] and names.index("p0") < names.index("d0")
+
+
+async def test_metadata_to_rewrite_to_keeps_e_first(rig_factory, store):
+    """A Qwen2-VL-like E reports metadata: PD must get it, so PD waits for E's answer."""
+    grid = {"image_grid_thw": [1, 4, 4]}
+    rig = with_store(rig_factory, store, Fakes(encoder_metadata=grid))
+    for data in (PNG, OTHER):
+        assert (await rig.chat([image_part(data)])).status_code == 200
+    assert [s.instance for s in rig.fakes.posts("")] == ["e0", "pd0", "e0", "pd0"]
+    assert rig.fakes.posts("pd")[-1].body["messages"][0]["content"][0]["type"] == "image_embeds"
+    assert await overlapped(rig) == 0
+
+
+@pytest.mark.parametrize("why", ["switched-off", "mm-kwargs", "rewrite-off-but-no-store"])
+async def test_no_overlap_where_it_cannot_or_should_not(rig_factory, store, tmp_path, why):
+    if why == "rewrite-off-but-no-store":
+        rig = rig_factory(Fakes(), encode=("http://e0",), metadata_rewrite=False)
+    else:
+        rig = with_store(rig_factory, store, overlap=why != "switched-off")
+        await learned(rig)
+    extra = {"mm_processor_kwargs": {"a": 1}} if why == "mm-kwargs" else {}
+    assert (await rig.chat([image_part(OTHER)], **extra)).status_code == 200
+    assert [s.instance for s in rig.fakes.posts("")][-2:] == ["e0", "pd0"]
+    assert await overlapped(rig) == 0
+    assert list(store.pending.iterdir()) == []
+
+
+async def test_without_rewrite_the_first_request_overlaps_too(rig_factory, store):
+    rig = with_store(rig_factory, store, metadata_rewrite=False)
+    key, marks = content_key("image", OTHER), []
+    rig.fakes.then("e0", e_after_pd(rig.fakes, store, key, marks))
+    assert (await rig.chat([image_part(OTHER)])).status_code == 200
+    await until(lambda: marks, "E got its request")
+    assert marks[0] is not None and await overlapped(rig) == 1
+
+
+async def test_responses_overlap(rig_factory, store):
+    rig = with_store(rig_factory, store)
+    key, marks = content_key("image", OTHER), []
+    rig.fakes.then("e0", e_after_pd(rig.fakes, store, key, marks))
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(OTHER).decode()
+    body = {"model": rig.config.models[0], "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "x"}]}]}
+    reply = await rig.client.post("/v1/responses", json=body)
+    assert reply.status_code == 200
+    await until(lambda: marks, "E got its request")
+    assert marks[0] is not None
+    (pd,) = rig.fakes.posts("pd")
+    assert pd.body["input"][0]["content"][0]["uuid"] == key
