@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import random
@@ -38,6 +39,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -226,13 +229,19 @@ def _serve_fakes(e_port: int, pd_port: int, store_dir: str, namespace: str, e_de
 
 def _proxy(port: int, model: str, e_url: str, pd_url: str, store: tuple[str, str],
            is_on: bool, upstream_key: str | None = None) -> subprocess.Popen[bytes]:
+    return extra_proxy(port, model, e_url, pd_url, store, upstream_key,
+                       "--skip-cached-items" if is_on else "--no-skip-cached-items")
+
+
+def extra_proxy(port: int, model: str, e_url: str, pd_url: str, store: tuple[str, str],
+                upstream_key: str | None, *flags: str) -> subprocess.Popen[bytes]:
+    """`python -m epdctl.proxy` before these E and PD, over this store, with these flags."""
     from epdctl.proxy.config import UPSTREAM_KEY_ENV
 
     env = {**os.environ, **({UPSTREAM_KEY_ENV: upstream_key} if upstream_key else {})}
     argv = [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", model,
             "--encode", e_url, "--pd", pd_url, "--max-inflight", "4096",
-            "--store-dir", store[0], "--namespace", store[1],
-            "--skip-cached-items" if is_on else "--no-skip-cached-items"]
+            "--store-dir", store[0], "--namespace", store[1], *flags]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
 
 
@@ -282,53 +291,70 @@ def _e_finished(url: str, key: str | None) -> float:
                                                 text, re.M))
 
 
-def run_real(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class Demo:
+    """A running cpu-demo topology: instance URLs, its store, the key instances require."""
+
+    urls: dict[str, str]
+    store: tuple[str, str]  # store dir, namespace
+    key: str | None
+    model: str
+
+
+@contextlib.contextmanager
+def cpu_demo(name: str) -> Iterator[Demo]:
+    """topologies/cpu-demo.yaml up (tiny LLaVA, a private state dir and store), then down
+    and every file of it removed."""
     import yaml
 
     from epdctl.dev.tiny_models import ensure_model
+    from epdctl.state import RunState
 
     model = ensure_model("llava")
     tmp = Path(tempfile.mkdtemp(prefix="epdctl-bench-"))
     store_dir = f"/dev/shm/epdctl-bench-{os.urandom(4).hex()}"
     data = yaml.safe_load((ROOT / "topologies" / "cpu-demo.yaml").read_text())
-    data.update(model=str(model), name="cache-reuse-bench",
-                cache={**data["cache"], "dir": store_dir},
+    data.update(model=str(model), name=name, cache={**data["cache"], "dir": store_dir},
                 proxy={"port": free_port()}, ports={"base": free_port(),
                                                     "side_channel_base": free_port()})
     topology = tmp / "cpu-demo.yaml"
     topology.write_text(yaml.safe_dump(data, sort_keys=False))
     cli = [sys.executable, "-m", "epdctl", "--state-dir", str(tmp / "state")]
-    off = None
     try:
         up = subprocess.run([*cli, "up", str(topology), "-d", "--timeout", "400"], cwd=ROOT)
         if up.returncode != 0:
             raise RuntimeError("`epdctl up` failed")
-        from epdctl.state import RunState
-
         state = RunState.model_validate_json(
-            (tmp / "state" / data["name"] / "state.json").read_text())
-        urls = {s.name: f"http://127.0.0.1:{s.port}" for s in state.specs}
-        key = state.internal_key
-        port = free_port()
-        off = _proxy(port, data["served_model_name"], urls["encode-0"], urls["pd-0"],
-                     (store_dir, state.namespace), False, key)
-        wait_http(f"http://127.0.0.1:{port}/health")
-        proxies = {"off": f"http://127.0.0.1:{port}", "on": urls["proxy"]}
-        arms = {}
-        for n, name in enumerate(("off", "on")):
-            before = _e_finished(urls["encode-0"], key)
-            images = workload(a.requests, n + 1, png_image, repeat_lag(a))
-            ttfts = drive(proxies[name], data["served_model_name"], images, a)
-            arms[name] = {"ttfts": ttfts,
-                          "e_requests": round(_e_finished(urls["encode-0"], key) - before)}
-        return arms
+            (tmp / "state" / name / "state.json").read_text())
+        yield Demo({s.name: f"http://127.0.0.1:{s.port}" for s in state.specs},
+                   (store_dir, state.namespace), state.internal_key, data["served_model_name"])
     finally:
-        if off is not None:
-            off.terminate()
-            off.wait(10)
-        subprocess.run([*cli, "down", "--name", data["name"]], cwd=ROOT)
+        subprocess.run([*cli, "down", "--name", name], cwd=ROOT)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def run_real(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    off = None
+    with cpu_demo("cache-reuse-bench") as demo:
+        try:
+            port = free_port()
+            off = _proxy(port, demo.model, demo.urls["encode-0"], demo.urls["pd-0"],
+                         demo.store, False, demo.key)
+            wait_http(f"http://127.0.0.1:{port}/health")
+            proxies = {"off": f"http://127.0.0.1:{port}", "on": demo.urls["proxy"]}
+            arms = {}
+            for n, name in enumerate(("off", "on")):
+                before = _e_finished(demo.urls["encode-0"], demo.key)
+                images = workload(a.requests, n + 1, png_image, repeat_lag(a))
+                ttfts = drive(proxies[name], demo.model, images, a)
+                arms[name] = {"ttfts": ttfts, "e_requests": round(
+                    _e_finished(demo.urls["encode-0"], demo.key) - before)}
+            return arms
+        finally:
+            if off is not None:
+                off.terminate()
+                off.wait(10)
 
 
 def main() -> None:

@@ -59,16 +59,26 @@ def _cache(state: RunState) -> dict[str, Any]:
     from epdctl.cache.stats import hit_ratio, read_stats
 
     counts, _ = read_stats(state.store_dir)
-    row: dict[str, Any] = {k: int(counts[k]) for k in ("lookups", "skipped", "sent")}
+    row: dict[str, Any] = {k: int(counts[k]) for k in ("lookups", "skipped", "sent", "waits",
+                                                         "expired")}
+    row["wait_s"] = float(counts["wait_s"])
     return {"namespace": state.namespace, **row, "hit_ratio": hit_ratio(counts)}
 
 
 def cache_line(cache: dict[str, Any]) -> str | None:
-    """`encoder cache: 50% hit (...)`, once the proxy has looked anything up."""
-    if not cache["lookups"]:
-        return None
-    return (f"encoder cache: {percent(cache['hit_ratio'])} hit ({cache['skipped']} of "
-            f"{cache['lookups']} media items were in the store and skipped the encoder)")
+    """`encoder cache: 50% hit (...)`, once the proxy has looked anything up; then what PD
+    waited for while E encoded (overlap)."""
+    line = None
+    if cache["lookups"]:
+        line = (f"encoder cache: {percent(cache['hit_ratio'])} hit ({cache['skipped']} of "
+                f"{cache['lookups']} media items were in the store and skipped the encoder)")
+    if cache.get("waits"):
+        mean_ms = 1000 * cache["wait_s"] / cache["waits"]
+        waited = (f"overlap: PD waited for {cache['waits']} items E was still encoding "
+                  f"(mean {mean_ms:.0f} ms; {cache['expired']} encoded by PD itself after E "
+                  "failed or ran late)")
+        line = waited if line is None else f"{line}\n{waited}"
+    return line
 
 
 def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:

@@ -75,11 +75,19 @@ def test_status_shows_the_proxys_store_hit_ratio(epdctl, fake_topology, state_ro
     stats.close()
     doc = json.loads(epdctl("status", "--json").stdout)
     assert doc["cache"] == {"namespace": doc["cache"]["namespace"], "lookups": 4,
-                            "skipped": 3, "sent": 1, "hit_ratio": 0.75}
+                            "skipped": 3, "sent": 1, "waits": 0, "expired": 0, "wait_s": 0.0,
+                            "hit_ratio": 0.75}
     assert doc["cache"]["namespace"].startswith("fake-")
     lines = epdctl("status").stdout.splitlines()
     assert lines[-1] == ("encoder cache: 75% hit (3 of 4 media items were in the store and "
                          "skipped the encoder)")
+    pd = StatsWriter(_store_dir(state_root), "pd-0-scheduler")  # PD's waits (overlap)
+    pd.add(waits=2, wait_s=0.05, expired=1)
+    pd.close()
+    assert json.loads(epdctl("status", "--json").stdout)["cache"]["waits"] == 2
+    lines = epdctl("status").stdout.splitlines()
+    assert lines[-1] == ("overlap: PD waited for 2 items E was still encoding (mean 25 ms; 1 "
+                         "encoded by PD itself after E failed or ran late)")
     assert epdctl("down").exit_code == 0
 
 
