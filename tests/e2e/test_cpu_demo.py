@@ -109,7 +109,8 @@ def test_repeated_image_is_loaded_from_the_store(demo: tuple[TopologyRun, Server
     # `cache inspect` one more lookup, a hit.
     assert encoder_posts(run.log("encode-0")[e_mark:]) == 0
     now = proxy_counters(run)
-    assert {k: now[k] - counted[k] for k in now} == {"lookups": 2, "skipped": 1, "sent": 1}
+    assert {k: now[k] - counted[k] for k in ("lookups", "skipped", "sent")} == {
+        "lookups": 2, "skipped": 1, "sent": 1}
     row = wait_for(lambda: (r := store_counters(run))["lookups"] > looked["lookups"] and r)
     assert row, store_counters(run)
     assert (row["lookups"] - looked["lookups"], row["skipped"] - looked["skipped"]) == (1, 1)
@@ -120,6 +121,27 @@ def test_repeated_image_is_loaded_from_the_store(demo: tuple[TopologyRun, Server
     assert wait_for(lambda: loaded in run.log("pd-0")[pd_start:]), run.log("pd-0")[-3000:]
     assert f"Finish execute for mm hash {key}" not in run.log("pd-0")
     assert f"Finish execute for mm hash {key}" in run.log("encode-0")
+
+
+def test_pd_gets_a_new_image_while_e_encodes_it(demo: tuple[TopologyRun, Server]) -> None:
+    """Overlap (#20): the proxy sends PD the request beside E's; PD waits for E's entry,
+    loads it (never running the vision tower) and answers as the aggregated baseline."""
+    from epdctl.proxy.media import content_key
+
+    run, baseline = demo
+    # The first image the proxy sees tells it whether E reports metadata (LLaVA: none).
+    assert chat(run.proxy_url, MODEL, api_key=KEY, image_urls=[image_data_url(make_image(50))])
+    before = proxy_counters(run)
+    png = make_image(51)
+    key, url = content_key("image", png), image_data_url(png)
+    pd_start = len(run.log("pd-0"))
+    answer = chat(run.proxy_url, MODEL, api_key=KEY, image_urls=[url])
+    assert answer and answer == chat(baseline.base_url, baseline.model, image_urls=[url])
+    assert proxy_counters(run)["overlapped"] == before["overlapped"] + 1
+    loaded = f"Success load encoder cache for hash {key}"
+    assert wait_for(lambda: loaded in run.log("pd-0")[pd_start:]), run.log("pd-0")[-3000:]
+    assert f"Finish execute for mm hash {key}" not in run.log("pd-0")
+    assert not list((run.cache_dir / run.state().namespace / "pending").iterdir())
 
 
 def test_a_uuid_naming_another_images_content_key_poisons_nothing(

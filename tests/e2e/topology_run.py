@@ -285,7 +285,7 @@ def cache_entry(run: TopologyRun, key: str) -> dict[str, Any] | None:
 
 
 def proxy_counters(run: TopologyRun) -> dict[str, float]:
-    """The proxy's store lookups, items skipped and items sent, from its /metrics."""
+    """The proxy's store lookups, items skipped and sent, requests overlapped (/metrics)."""
     import re
     import urllib.request
 
@@ -296,7 +296,8 @@ def proxy_counters(run: TopologyRun) -> dict[str, float]:
         text = reply.read().decode()
     names = {"lookups": "epdctl_proxy_store_lookups_total",
              "skipped": "epdctl_proxy_items_skipped_total",
-             "sent": "epdctl_proxy_items_sent_total"}
+             "sent": "epdctl_proxy_items_sent_total",
+             "overlapped": "epdctl_proxy_overlapped_requests_total"}
     return {k: float(m[1]) if (m := re.search(rf"^{v} (\S+)$", text, re.M)) else 0.0
             for k, v in names.items()}
 

@@ -112,10 +112,19 @@ def test_hung_encoder(probe: Probe) -> None:
     """SIGSTOP E: the in-flight request and new ones succeed through PD's local encode; the
     proxy ejects E (and stops waiting for it), status says unhealthy; SIGCONT re-admits it."""
     encoder = probe.pid("encode-0")
+    assert ask(probe, 1) == reference(probe, 1)  # the proxy learns: no metadata, overlap
+    reference(probe, 2)
+    pending = probe.run.cache_dir / probe.run.state().namespace / "pending"
     kill_group(encoder, signal.SIGSTOP)
     try:
         begin = time.monotonic()
-        assert ask(probe, 2) == reference(probe, 2)  # in flight at E when it hung
+        with ThreadPoolExecutor(1) as pool:
+            hung = pool.submit(ask, probe, 2)  # in flight at E when it hung
+            # PD has it too (overlap), waiting for the entry; a text request still passes.
+            assert wait_for(lambda: any(pending.iterdir()), 30), "no pending mark"
+            assert answer(probe.proxy, body(MODEL, text="Hello there."))
+            assert not hung.done(), "the text request waited for the deferred one"
+            assert hung.result(timeout=120) == reference(probe, 2)
         assert time.monotonic() - begin >= ENCODE_TIMEOUT_S * 0.9
         assert wait_for(probe.encoders_out, 30), probe.health()
         for seed, stream in ((3, False), (4, True)):
