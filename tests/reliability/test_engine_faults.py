@@ -255,14 +255,16 @@ def test_killed_pd(probe: Probe) -> None:
     restarts = {name: row["restarts"] for name, row in probe.status().items()}
     longest = _longest(probe)
     with ThreadPoolExecutor(1) as pool:
-        plain = pool.submit(httpx.post, url, json=longest, timeout=60)
-        assert wait_for(lambda: probe.health()[1].get("inflight") == 1 or plain.done(), 30)
-        assert not plain.done(), plain.result().text
         # Killed at its first content: the answer has about MAX_MODEL_LEN tokens still to go.
         with httpx.stream("POST", url, json={**longest, "stream": True}, timeout=60) as reply:
             assert reply.status_code == 200
             lines = reply.iter_lines()
             head = _until_content(lines)
+            # Frozen first, so the non-streamed request is surely in flight when PD dies
+            # (however fast this machine generates).
+            kill_group(old, signal.SIGSTOP)
+            plain = pool.submit(httpx.post, url, json=longest, timeout=60)
+            assert wait_for(lambda: probe.health()[1].get("inflight") == 2, 30), probe.health()
             kill_group(old)
             tail = list(lines)
         events = [line for line in [*head, *tail] if line.startswith("data: ")]
