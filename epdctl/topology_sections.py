@@ -165,7 +165,10 @@ class Proxy(BaseModel):
     """Send PD (or P) its request while E encodes, not after: PD parses and preprocesses
     meanwhile, then waits for the entries E is computing (a pending mark per item in the
     store, cleared when E answers; past `encode_timeout` PD encodes the item itself). Items
-    that would be rewritten to E's metadata (`metadata_rewrite`) still wait for E."""
+    that would be rewritten to E's metadata (`metadata_rewrite`) still wait for E. Off by
+    default: on a CPU-only machine E and PD then compete for the same cores, and it measured
+    no faster there (`benchmarks/overlap.py`); try it with `epdctl bench --arm` where E has
+    a GPU of its own."""
     encode_timeout: Seconds = _PROXY["encode_timeout_s"]
     """Deadline for an encoder's answer to one media item."""
     prefill_timeout: Seconds = _PROXY["prefill_timeout_s"]

@@ -73,8 +73,8 @@ class ProxyConfig:
                               "item by its content, for proxies shared by several people")
     skip_cached_items: bool = knob(True, "--skip-cached-items", "send an item to no encoder "
                                    "when its entry is already in the EC store (--store-dir)")
-    overlap: bool = knob(True, "--overlap", "send PD (or P) its request while E encodes, not "
-                         "after: PD prepares it meanwhile and waits for the entries E is "
+    overlap: bool = knob(False, "--overlap", "send PD (or P) its request while E encodes, "
+                         "not after: PD prepares it meanwhile and waits for the entries E is "
                          "computing (with --store-dir; items rewritten to metadata still wait "
                          "for E)")
     store_dir: str = knob("", "--store-dir", "root of the topology's shared-memory EC store, "

@@ -48,12 +48,12 @@ KEY = "demo-key-for-the-e2e-test"
 def demo(
     tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TopologyRun, Server]]:
-    """cpu-demo.yaml with free ports, a private store, DEBUG logs and an API key, plus its
-    baseline."""
+    """cpu-demo.yaml with free ports, a private store, DEBUG logs, an API key and overlap
+    (PD gets each request beside E's), plus its baseline."""
     tmp = tmp_path_factory.mktemp("cpu-demo")
     path, cache_dir = write_topology("cpu-demo", tmp, tiny_llava,
                                      env={"VLLM_LOGGING_LEVEL": "DEBUG"},
-                                     proxy={"api_key": KEY})
+                                     proxy={"api_key": KEY, "overlap": True})
     with topology_with_baseline(path, cache_dir, tmp / "state", tiny_llava) as servers:
         yield servers
 

@@ -15,6 +15,7 @@ from tests.e2e.topology_run import (
     check_down,
     check_logs,
     check_verify,
+    proxy_counters,
     topology_with_baseline,
     wait_for,
     write_topology,
@@ -30,10 +31,12 @@ INSTANCES = ("encode-0", "prefill-0", "decode-0")
 def epd(
     tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TopologyRun, Server]]:
-    """cpu-epd.yaml with free ports, a private store and DEBUG logs, plus its baseline."""
+    """cpu-epd.yaml with free ports, a private store, DEBUG logs and overlap (P gets each
+    request beside E's), plus its baseline."""
     tmp = tmp_path_factory.mktemp("cpu-epd")
     path, cache_dir = write_topology("cpu-epd", tmp, tiny_llava,
-                                     env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+                                     env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+                                     proxy={"overlap": True})
     # P and D use 32-token KV blocks; so does the baseline, so the kernels match too.
     with topology_with_baseline(path, cache_dir, tmp / "state", tiny_llava,
                                 ("--block-size", "32")) as servers:
@@ -91,6 +94,26 @@ def test_repeated_image_is_loaded_from_the_store(epd: tuple[TopologyRun, Server]
     for name in ("prefill-0", "decode-0"):
         assert f"Finish execute for mm hash {key}" not in run.log(name), name
     assert f"Finish execute for mm hash {key}" in run.log("encode-0")
+
+
+def test_p_gets_a_new_image_while_e_encodes_it(epd: tuple[TopologyRun, Server]) -> None:
+    """Overlap in E|P|D: P has the request while E encodes, loads E's entry, and the answer
+    is the aggregated baseline's."""
+    from epdctl.proxy.media import content_key
+
+    run, baseline = epd
+    assert chat(run.proxy_url, MODEL, image_urls=[image_data_url(make_image(52))])  # learns
+    before = proxy_counters(run)["overlapped"]
+    png = make_image(53)
+    key, url = content_key("image", png), image_data_url(png)
+    start = len(run.log("prefill-0"))
+    answer = chat(run.proxy_url, MODEL, image_urls=[url])
+    assert answer and answer == chat(baseline.base_url, baseline.model, image_urls=[url])
+    assert proxy_counters(run)["overlapped"] == before + 1
+    loaded = f"Success load encoder cache for hash {key}"
+    assert wait_for(lambda: loaded in run.log("prefill-0")[start:]), run.log("prefill-0")[-3000:]
+    for name in ("prefill-0", "decode-0"):
+        assert f"Finish execute for mm hash {key}" not in run.log(name), name
 
 
 def test_logs_show_every_instance(epd: tuple[TopologyRun, Server]) -> None:

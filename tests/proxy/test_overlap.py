@@ -15,11 +15,18 @@ import pytest
 from epdctl.cache.store import Store
 from epdctl.proxy.media import content_key
 from tests.proxy.fakes import PNG, Fakes, Seen, image_part
-from tests.proxy.test_skip import NAMESPACE, with_store
+from tests.proxy.test_skip import NAMESPACE
+from tests.proxy.test_skip import with_store as with_plain_store
 
 pytestmark = pytest.mark.anyio
 OTHER = PNG + b"other"  # another image: a miss in the store
 WAIT_S = 10.0  # an upper bound for an observed event, never a duration a test relies on
+
+
+def with_store(rig_factory, store: Store, fakes: Fakes | None = None, **kwargs):
+    """E|PD over fakes saving into `store`, the proxy with overlap on (off by default)."""
+    kwargs.setdefault("overlap", True)
+    return with_plain_store(rig_factory, store, fakes, **kwargs)
 
 
 @pytest.fixture
@@ -121,10 +128,13 @@ async def test_metadata_to_rewrite_to_keeps_e_first(rig_factory, store):
     assert await overlapped(rig) == 0
 
 
-@pytest.mark.parametrize("why", ["switched-off", "mm-kwargs", "rewrite-off-but-no-store"])
+@pytest.mark.parametrize("why", ["default", "switched-off", "mm-kwargs", "no-store"])
 async def test_no_overlap_where_it_cannot_or_should_not(rig_factory, store, tmp_path, why):
-    if why == "rewrite-off-but-no-store":
-        rig = rig_factory(Fakes(), encode=("http://e0",), metadata_rewrite=False)
+    if why == "no-store":
+        rig = rig_factory(Fakes(), encode=("http://e0",), metadata_rewrite=False, overlap=True)
+    elif why == "default":
+        rig = with_plain_store(rig_factory, store)
+        await learned(rig)
     else:
         rig = with_store(rig_factory, store, overlap=why != "switched-off")
         await learned(rig)

@@ -58,6 +58,7 @@ def run(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             args[args.index("--max-model-len") + 1] = str(MAX_MODEL_LEN)
             data["restart"] = {"policy": "on-failure", "max_restarts": 2, "backoff": "1s"}
             data["proxy"]["encode_timeout"] = ENCODE_TIMEOUT_S
+            data["proxy"]["overlap"] = True  # faults in E with requests waiting at PD
             if is_small:
                 data["cache"]["capacity"] = "2MiB"  # the tmpfs is 4 MiB
 
