@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ class Trace:
     retries: int = 0
     fallbacks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    encoding: asyncio.Task[None] | None = None
+    """The E stage still running beside PD (overlap): the line waits for its timings."""
 
     def timed(self, stage: str, since: float) -> float:
         """Record a stage's time since `since` (stages may repeat on retry: times add up)."""
@@ -29,9 +32,10 @@ class Trace:
         self.stages_ms[stage] = self.stages_ms.get(stage, 0.0) + elapsed_s * 1000
         return elapsed_s
 
-    def line(self, status: int | str) -> str:
+    def line(self, status: int | str, total_ms: float | None = None) -> str:
         """rid, route, status, then per-stage timings; `epdctl logs proxy | grep RID`."""
-        total_ms = (time.perf_counter() - self.start) * 1000
+        if total_ms is None:
+            total_ms = (time.perf_counter() - self.start) * 1000
         parts = [f"rid={self.rid}", f"route={self.route}", f"status={status}",
                  f"total_ms={total_ms:.1f}"]
         parts += [f"{k}_ms={v:.1f}" for k, v in self.stages_ms.items()]

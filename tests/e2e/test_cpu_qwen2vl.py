@@ -162,7 +162,8 @@ def test_a_repeated_image_is_rewritten_from_the_store_without_e(
     expected = chat(baseline.base_url, baseline.model, image_urls=[url])
     pd_start = len(run.log("pd-0"))
     assert chat(run.proxy_url, MODEL, image_urls=[url]) == expected
-    kept = read_meta(Store(run.cache_dir, run.state().namespace), key)
+    # The proxy writes it beside the entry at its next scan of the store (every second).
+    kept = wait_for(lambda: read_meta(Store(run.cache_dir, run.state().namespace), key))
     assert kept and kept["metadata"]["image_grid_thw"], kept
     encode, pd = probes(run)
     e_mark, counted, looked = len(run.log("encode-0")), proxy_counters(run), store_counters(run)

@@ -67,7 +67,9 @@ async def learned(rig) -> None:
     rig.fakes.seen.clear()
 
 
-async def test_pd_gets_the_request_while_e_encodes_and_the_mark_goes_after(rig_factory, store):
+async def test_pd_gets_the_request_while_e_encodes_and_the_mark_goes_after(rig_factory, store,
+                                                                           caplog):
+    caplog.set_level("INFO", "epdctl.proxy")
     rig = with_store(rig_factory, store)
     await learned(rig)
     key, marks = content_key("image", OTHER), []
@@ -82,6 +84,9 @@ async def test_pd_gets_the_request_while_e_encodes_and_the_mark_goes_after(rig_f
     assert store.pending_until(key) is None  # cleared once E answered
     assert store.has_entry(key)
     assert await overlapped(rig) == 1
+    # PD answered first; the request's one line waited for E's timing.
+    (line,) = [r.getMessage() for r in caplog.records if "overlap=1" in r.getMessage()]
+    assert "encode_ms=" in line and "status=200" in line
 
 
 async def test_a_failed_encoder_clears_the_mark_so_pd_encodes_at_once(rig_factory, store):
