@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import random
 import shlex
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+
+from tests.vllm_harness import free_ports
 
 FAKE_SERVER = Path(__file__).parent / "fake_server.py"
 FAKE_PROXY = shlex.join([sys.executable, str(FAKE_SERVER)])
@@ -43,24 +43,6 @@ def epdctl(state_root: Path) -> Callable[..., Result]:
                                   catch_exceptions=False)
 
     return invoke
-
-
-def is_port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(count: int) -> int:
-    """A base port with `count` consecutive free ports after it (plan() counts upwards)."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000)
-        if all(is_port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no run of free ports found")
 
 
 @pytest.fixture

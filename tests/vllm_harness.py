@@ -6,6 +6,7 @@ import base64
 import io
 import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,11 +45,32 @@ ENGINE_MODULE = "epdctl.engines.vllm_cpu"
 _cores = itertools.count()
 
 
+# Below Linux's ephemeral range (32768-60999 by default), where no outgoing connection can
+# take a port between the test choosing it and a server binding it.
+PORT_RANGE = (20000, 32000)
+
+
+def is_port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> int:
+    """A base port with `count` consecutive free ports after it (plan() counts upwards)."""
+    for _ in range(200):
+        base = random.randrange(PORT_RANGE[0], PORT_RANGE[1] - count)
+        if all(is_port_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no run of free ports found")
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that was free a moment ago (outside the ephemeral range)."""
+    return free_ports(1)
 
 
 def next_core() -> str:
@@ -333,8 +355,9 @@ def copy_topology(
     data["proxy"] = {**data.get("proxy", {}), "port": proxy_port or free_port()}
     data["ports"] = {
         **data.get("ports", {}),
-        "base": ports_base or free_port(),
-        "side_channel_base": free_port(),
+        # Instances count upwards from each base: every port of the run must be free.
+        "base": ports_base or free_ports(16),
+        "side_channel_base": free_ports(16),
     }
     data["cache"] = {**data.get("cache", {}), "dir": str(cache_dir or dest_dir / "ec-store")}
     data.update(overrides)
