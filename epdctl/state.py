@@ -250,6 +250,10 @@ class StateDir:
         self.retire()
         if not (keep_cache or state.settings.keep_cache_on_down):
             shutil.rmtree(state.store_dir, ignore_errors=True)
+            try:
+                os.rmdir(Path(state.store_dir).parent)  # the store root, once nothing is left
+            except OSError:
+                pass  # another namespace lives there (or it was never ours to make)
 
     def last_run(self) -> RunState | None:
         try:

@@ -107,6 +107,13 @@ def test_store_dir_removed_unless_kept(epdctl, fake_topology, state_root, tmp_pa
     result = epdctl("down", "--keep-cache")
     assert f"Kept the EC store {store}\n" in result.stderr
     assert os.path.isdir(store)
+    other = os.path.join(os.path.dirname(store), "another-namespace")
+    os.makedirs(other)
     up(epdctl, topo)
     assert epdctl("down").exit_code == 0
-    assert not os.path.exists(store)
+    assert not os.path.exists(store) and os.path.isdir(other)  # the root holds another one
+    os.rmdir(other)
+    up(epdctl, topo)
+    os.makedirs(store, exist_ok=True)
+    assert epdctl("down").exit_code == 0
+    assert not os.path.exists(os.path.dirname(store))  # the last namespace: the root goes too
