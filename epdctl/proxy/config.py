@@ -172,6 +172,21 @@ class ProxyConfig:
         return bool(self.prefill)
 
     @property
+    def final_role(self) -> str:
+        """The pool whose instances give the client its answer: decode, or PD."""
+        return "decode" if self.is_split else "pd"
+
+    @property
+    def final_stage(self) -> str:
+        """That stage's name in errors and metrics."""
+        return "decode" if self.is_split else "prefill_decode"
+
+    @property
+    def final_read_s(self) -> float:
+        """How long the final stage may go without sending anything (it may stream)."""
+        return max(self.decode_timeout_s, self.stream_idle_timeout_s)
+
+    @property
     def mode(self) -> Mode:
         if self.is_split:
             return "epd" if self.encode else "p-d"

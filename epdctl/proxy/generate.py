@@ -99,9 +99,9 @@ class Generator:
         self.client = client
         self.metrics = metrics
         self.prefill_pool: Pool | None = upstreams.pools.get("prefill")
-        self.decode_pool = upstreams.pools["decode" if config.is_split else "pd"]
-        self.decode_stage = "decode" if config.is_split else "prefill_decode"
-        self.decode_read_s = max(config.decode_timeout_s, config.stream_idle_timeout_s)
+        self.decode_pool = upstreams.pools[config.final_role]
+        self.decode_stage = config.final_stage
+        self.decode_read_s = config.final_read_s
 
     async def run(self, route: str, first: dict[str, Any] | bytes,
                   second: dict[str, Any] | bytes, is_rewritten: bool, is_stream: bool,

@@ -54,9 +54,9 @@ class Passthrough:
         self.config = config
         self.client = client
         self.metrics = metrics
-        self.pool = upstreams.pools["decode" if config.is_split else "pd"]
-        self.stage = "decode" if config.is_split else "prefill_decode"
-        self.read_s = max(config.decode_timeout_s, config.stream_idle_timeout_s)
+        self.pool = upstreams.pools[config.final_role]
+        self.stage = config.final_stage
+        self.read_s = config.final_read_s
 
     async def run(self, scope: Mapping[str, Any], raw: bytes, trace: Trace) -> Answer:
         """The instance's answer; a second attempt elsewhere only if the first got none."""

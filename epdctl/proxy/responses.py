@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from epdctl.proxy.errors import bad_request
-from epdctl.proxy.routing import MM_KWARGS, MediaItem, with_ec_params
+from epdctl.proxy.routing import MM_KWARGS, MediaItem, checked_parts, with_ec_params
 
 MEDIA_PART = "input_image"
 
@@ -23,23 +23,12 @@ def check_input(value: object) -> None:
         return
     if not isinstance(value, list) or not value:
         raise bad_request("`input` must be a string or a non-empty list", "input")
-    for i, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise bad_request(f"input[{i}] must be an object", "input")
-        content = item.get("content")
-        if content is None or isinstance(content, str):
+    for where, part in checked_parts(value, "input"):
+        if part["type"] != MEDIA_PART:
             continue
-        if not isinstance(content, list):
-            raise bad_request(f"input[{i}].content must be a string or a list", "input")
-        for j, part in enumerate(content):
-            where = f"input[{i}].content[{j}]"
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise bad_request(f"{where} must be an object with a string `type`", "input")
-            if part["type"] != MEDIA_PART:
-                continue
-            for key in ("image_url", "uuid"):
-                if part.get(key) is not None and not isinstance(part[key], str):
-                    raise bad_request(f"{where}.{key} must be a string", "input")
+        for key in ("image_url", "uuid"):
+            if part.get(key) is not None and not isinstance(part[key], str):
+                raise bad_request(f"{where}.{key} must be a string", "input")
 
 
 def find_media(body: dict[str, Any]) -> list[MediaItem]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,30 +106,37 @@ def parse_body(raw: bytes, route: str, models: tuple[str, ...]) -> dict[str, Any
     return body
 
 
-def _check_messages(messages: object) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("`messages` must be a non-empty list", "messages")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
-        content = msg.get("content")
+def checked_parts(items: list[Any], name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each content part of a `messages` or `input` list, checked to be an object with a
+    string `type`, with where it is (for the error about it); 400 for a malformed item."""
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise bad_request(f"{name}[{i}] must be an object", name)
+        content = item.get("content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
-            raise bad_request(f"messages[{i}].content must be a string or a list", "messages")
+            raise bad_request(f"{name}[{i}].content must be a string or a list", name)
         for j, part in enumerate(content):
-            where = f"messages[{i}].content[{j}]"
+            where = f"{name}[{i}].content[{j}]"
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise bad_request(f"{where} must be an object with a string `type`", "messages")
-            kind = part["type"]
-            if kind not in MEDIA_TYPES:
-                continue
-            payload = part.get(kind)
-            field = "data" if kind == "input_audio" else "url"
-            if not isinstance(payload, dict) or not isinstance(payload.get(field), str):
-                raise bad_request(f"{where}.{kind}.{field} must be a string", "messages")
-            if part.get("uuid") is not None and not isinstance(part["uuid"], str):
-                raise bad_request(f"{where}.uuid must be a string", "messages")
+                raise bad_request(f"{where} must be an object with a string `type`", name)
+            yield where, part
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` must be a non-empty list", "messages")
+    for where, part in checked_parts(messages, "messages"):
+        kind = part["type"]
+        if kind not in MEDIA_TYPES:
+            continue
+        payload = part.get(kind)
+        field = "data" if kind == "input_audio" else "url"
+        if not isinstance(payload, dict) or not isinstance(payload.get(field), str):
+            raise bad_request(f"{where}.{kind}.{field} must be a string", "messages")
+        if part.get("uuid") is not None and not isinstance(part["uuid"], str):
+            raise bad_request(f"{where}.uuid must be a string", "messages")
 
 
 def find_media(body: dict[str, Any]) -> list[MediaItem]:
