@@ -108,22 +108,19 @@ class SchedulerSide:
                     # A request can wait long for KV space; stay clear of the janitor's TTL.
                     held.pin, held.pinned_at = self._store.renew(held.pin), time.monotonic()
                 continue
-            result = self._store.pin(
-                key,
-                engine=self._engine_id,
-                request=rid,
-                index=index,
-                rows=pos.get_num_embeds(),
-                dtype=self._dtype,
-                ranks=self._ranks,
-            )
+            result = self._pin(rid, index, feature)
+            if not isinstance(result, Pin) and result.is_missing:
+                if self._is_pending(rid, key):
+                    return False  # asked again next step; other requests are scheduled meanwhile
+                # Not pending (any more): E may have saved the entry, and the proxy cleared
+                # its mark, between the pin and the look at the mark. One more pin decides.
+                result = self._pin(rid, index, feature)
             if isinstance(result, Pin):
                 self._pins[key] = _Held(result, {rid})
                 self._count_hit(rid, index, key)
                 self._end_wait(rid, key, landed=True)
                 continue
-            if result.is_missing and self._is_pending(rid, key):
-                return False  # asked again next step; other requests are scheduled meanwhile
+            self._end_wait(rid, key, landed=False)
             self._stat(misses=1, invalid=0 if result.is_missing else 1)
             if not self._miss(request, feature, result):
                 return False
@@ -141,8 +138,18 @@ class SchedulerSide:
                 self._waiting[(rid, key)] = now
                 self._stat(waits=1)
             return True
-        self._end_wait(rid, key, landed=False)
         return False
+
+    def _pin(self, rid: str, index: int, feature: MultiModalFeatureSpec) -> Pin | Miss:
+        return self._store.pin(
+            feature.identifier,
+            engine=self._engine_id,
+            request=rid,
+            index=index,
+            rows=feature.mm_position.get_num_embeds(),
+            dtype=self._dtype,
+            ranks=self._ranks,
+        )
 
     def _end_wait(self, rid: str, key: str, *, landed: bool) -> None:
         """A wait is over: the entry landed, or E failed or ran out of time (local encode)."""

@@ -372,6 +372,34 @@ def test_a_pending_item_defers_until_its_entry_lands(store_root: Path) -> None:
     assert counts["wait_s"] > 0
 
 
+def test_an_entry_that_lands_between_the_pin_and_the_mark_is_a_hit(
+    store_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race the overlap opens: PD's pin misses, then E saves and the proxy clears the mark
+    before PD looks at it. The entry is there: PD loads it (a hit), it encodes nothing."""
+    import time
+
+    sched = make(store_root, SCHED, "ec_consumer")
+    store = Store(store_root, NS).create()
+    assert store.mark_pending("img", time.time() + 60)
+    looked = Store.pending_until
+
+    def e_answers_first(self: Store, key: str) -> float | None:
+        if not self.has_entry(key):
+            produce(store_root, key, torch.randn(6, 16))
+            store.clear_pending(key)
+        return looked(self, key)
+
+    monkeypatch.setattr(Store, "pending_until", e_answers_first)
+    req = request("r1", feature("img", 6))
+    assert sched.ensure_cache_available(req, 0) is True
+    assert sched.has_cache_item("img") is True  # loaded from the store, not encoded
+    sched.request_finished(req)
+    sched.shutdown()
+    counts, _ = read_stats(store_root / NS)
+    assert (counts["hits"], counts["misses"], counts["expired"]) == (1, 0, 0)
+
+
 @pytest.mark.parametrize("how", ["cleared", "past-deadline"])
 def test_a_pending_item_whose_entry_never_comes_is_encoded_locally(
     store_root: Path, how: str

@@ -228,6 +228,12 @@ def dozen(demo: tuple[TopologyRun, Server]) -> dict[str, Any]:
     return {"ids": ids, "hits_before": hits_before}
 
 
+def _proxy_lines(run: TopologyRun, response_ids: list[str]) -> list[str]:
+    """The proxy's log lines of these requests (what a failed check shows)."""
+    rids = [f"rid={i.removeprefix('chatcmpl-')}" for i in response_ids]
+    return [line for line in run.log("proxy").splitlines() if any(r in line for r in rids)]
+
+
 def _active_namespace(run: TopologyRun) -> dict[str, Any]:
     doc = run.cli_json("cache", "inspect")
     return next(ns for ns in doc["namespaces"] if ns["active"])
@@ -291,7 +297,8 @@ def test_top_once_reports_what_metrics_and_cache_inspect_show(
     images = len(dozen["ids"]["image"])
     # The store's counters are flushed once a second: wait for the dozen's hits.
     assert wait_for(lambda: _active_namespace(run)["hits"] >= dozen["hits_before"] + images,
-                    timeout_s=10)
+                    timeout_s=10), (dozen["hits_before"], _active_namespace(run),
+                                    _proxy_lines(run, dozen["ids"]["image"]))
     doc = run.cli_json("top", "--once")
     state = run.state()
     def scrape(url: str, key: str | None) -> Scrape:
