@@ -121,11 +121,17 @@ class Run:
 def prepare(topology_path: Path, state_root: Path, *, is_dry_run: bool = False,
             warn: Warn | None = None, topology: Topology | None = None) -> Run:
     """Load (unless given) and plan a topology; nothing is started or written. Unless for a
-    dry run, a local model path must exist."""
+    dry run, a local model path must exist, and the connectors must import where the engines
+    run."""
     topology = topology or load_topology(topology_path)
     if not is_dry_run:
         require_local_model(topology)
     plan = make_plan(topology, state_root / topology.name, is_dry_run=is_dry_run, warn=warn)
+    if not is_dry_run:
+        from epdctl.doctor import connector_problems
+
+        if problems := connector_problems(topology, plan):
+            raise PlanError("\n".join(f"`{topology.name}`: {line}" for line in problems))
     return Run(topology, Path(topology_path), plan, StateDir(plan.state_dir))
 
 

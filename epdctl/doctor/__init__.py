@@ -16,6 +16,7 @@ from epdctl.cache import CONNECTOR_NAME
 from epdctl.cache.store import DiskUsage
 from epdctl.doctor._check import Check, Completed, Runner, Status, run_command
 from epdctl.doctor._engine import (
+    EnvReport,
     check_ec_connector,
     check_kv_connector,
     check_plugin,
@@ -40,9 +41,11 @@ from epdctl.doctor._topology import check_combinations, check_model, kv_connecto
 from epdctl.errors import PlanError
 from epdctl.gpus import GpuInfo
 from epdctl.plan import Plan, plan
+from epdctl.spec import LaunchSpec
 from epdctl.topology import Role, Topology, parse_topology
 
-__all__ = ["Check", "Completed", "Probes", "Runner", "Status", "run_checks"]
+__all__ = ["Check", "Completed", "Probes", "Runner", "Status", "connector_problems",
+           "run_checks"]
 
 
 def _describe_gpus() -> list[GpuInfo]:
@@ -100,6 +103,44 @@ def _plans(topology: Topology, state_dir: Path, gpus: Gpus,
         return error, None, plan(one, state_dir, visible_gpus=["0"], cpu_count=cpu_count)
 
 
+def _connectors(topology: Topology | None) -> tuple[str | None, str | None]:
+    """The KV connector and the EC connector the topology's engines get (None: none)."""
+    if topology is None:
+        return None, None
+    ec = topology.cache.connector if "encode" in topology.roles else None
+    return kv_connector(topology), ec
+
+
+def _modules(kv: str | None, ec: str | None) -> list[str]:
+    return [m for m in (kv_module(kv), ec and ec_module(ec)) if m]
+
+
+def _probe(engine: LaunchSpec, modules: list[str],
+           probes: Probes) -> tuple[str | None, EnvReport | None]:
+    """The engine's Python, and what the probe found there (None: no Python found)."""
+    python = engine_python(list(engine.command[:-1]), probes.which)
+    env = {**probes.environ, **engine.env}
+    return python, probe_environment(python, env, modules, probes.run) if python else None
+
+
+def connector_problems(topology: Topology, placed: Plan,
+                       probes: Probes | None = None) -> list[str]:
+    """A KV or EC connector whose package (or `module:Class`) does not import in the engines'
+    Python, one line each: `up` refuses these before anything starts. Nothing is probed when
+    the connectors need nothing beyond vLLM and epdctl; an engine Python that cannot be
+    probed is left to the engines (and `doctor`) to report."""
+    kv, ec = _connectors(topology)
+    modules = _modules(kv, ec)
+    if not modules:
+        return []
+    probes = probes or Probes()
+    _, report = _probe(placed.instances[0], modules, probes)
+    if report is None or report.error:
+        return []
+    checks = (check_kv_connector(kv, report), check_ec_connector(ec, report))
+    return [f"{c.detail}; {c.fix}" if c.fix else c.detail for c in checks if c.status == "fail"]
+
+
 def run_checks(topology: Topology | None, state_root: Path,
                probes: Probes | None = None) -> list[Check]:
     """Every check for `topology`; without one, the environment's alone (vLLM, plugin, GPUs,
@@ -118,12 +159,8 @@ def run_checks(topology: Topology | None, state_root: Path,
     engine = shown.instances[0]
     command = list(engine.command[:-1])  # the engine command, without the model
     env = {**probes.environ, **engine.env}
-    connector = kv_connector(topology) if topology is not None else None
-    ec = topology.cache.connector if topology is not None and "encode" in topology.roles \
-        else None
-    modules = [m for m in (kv_module(connector), ec and ec_module(ec)) if m]
-    python = engine_python(command, probes.which)
-    report = probe_environment(python, env, modules, probes.run) if python else None
+    connector, ec = _connectors(topology)
+    python, report = _probe(engine, _modules(connector, ec), probes)
     checks = [check_vllm(command, env, probes.run, probes.which, probes.vllm_requirement)]
     if topology is not None and "encode" not in topology.roles:
         checks.append(Check("plugin", "skip", "no encode role: the EC connector is not used"))

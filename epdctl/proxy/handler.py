@@ -23,6 +23,7 @@ from epdctl.proxy.mooncake import MooncakeRoute
 from epdctl.proxy.passthrough import Passthrough
 from epdctl.proxy.routing import (
     CHAT,
+    CONTENT_FIELDS,
     ORCHESTRATED,
     RESPONSES,
     MediaItem,
@@ -203,8 +204,9 @@ class ProxyHandler:
             trace.rid = request_id(body["request_id"])  # what vLLM names the answer by
         stream = is_stream(body)
         is_scoped = False
-        if route == CHAT:  # before anything reads a uuid: none goes on as the client sent it
-            scoped, by_client = scope_client_uuids(body, self.config.client_uuids)
+        if route in CONTENT_FIELDS:  # before anything reads a uuid: none goes on as sent
+            scoped, by_client = scope_client_uuids(body, self.config.client_uuids,
+                                                   field=CONTENT_FIELDS[route])
             self.metrics.keyed_by["client"].inc(by_client)
             is_scoped = scoped is not body
             body = scoped

@@ -45,14 +45,17 @@ def client_key(uuid: str) -> str:
     return CLIENT_PREFIX + hashlib.sha256(b"epdctl client uuid\0" + uuid.encode()).hexdigest()
 
 
-def scope_client_uuids(body: dict[str, Any], is_honoured: bool) -> tuple[dict[str, Any], int]:
+def scope_client_uuids(body: dict[str, Any], is_honoured: bool, *,
+                       field: str = "messages") -> tuple[dict[str, Any], int]:
     """The body with every content part's `uuid` made a client key (or dropped), and how many.
 
-    Every part, not only the media the proxy keys: vLLM reads a `uuid` on any part carrying
-    media or embeddings. An empty uuid counts as none and is dropped. body is not touched.
+    Every part of `field` (chat's `messages`, Responses' `input`), not only the media the
+    proxy keys: vLLM reads a `uuid` on any part carrying media or embeddings. An empty uuid
+    counts as none and is dropped. body is not touched.
     """
     parts: dict[tuple[int, int], dict[str, Any]] = {}
-    for i, msg in enumerate(body.get("messages") or ()):
+    messages = body.get(field)
+    for i, msg in enumerate(messages if isinstance(messages, list) else ()):
         content = msg.get("content") if isinstance(msg, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             if not isinstance(part, dict) or "uuid" not in part or part["uuid"] is None:
@@ -65,7 +68,7 @@ def scope_client_uuids(body: dict[str, Any], is_honoured: bool) -> tuple[dict[st
     if not parts:
         return body, 0
     counted = sum(1 for new in parts.values() if "uuid" in new)
-    return replace_parts(body, parts), counted
+    return replace_parts(body, parts, field=field), counted
 
 
 def b64decode(text: str, what: str) -> bytes:

@@ -15,6 +15,8 @@ COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 ORCHESTRATED = (CHAT, COMPLETIONS, RESPONSES)
 """The POST routes the proxy runs through E and P/D; every other route passes through."""
+CONTENT_FIELDS = {CHAT: "messages", RESPONSES: "input"}
+"""Where a route's content parts (media, and the client's `uuid` on them) are."""
 MEDIA_TYPES = {"image_url": "image", "audio_url": "audio", "input_audio": "audio",
                "video_url": "video"}
 # Per-request kwargs that vLLM folds into the cache key (contracts §5.5).
@@ -167,15 +169,16 @@ def _media_part(part: dict[str, Any], item: MediaItem) -> dict[str, Any]:
 
 
 def replace_parts(body: dict[str, Any], parts: dict[tuple[int, int], dict[str, Any]],
-                  drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A copy of body with the given (message, part) slots replaced; body is not touched."""
-    messages = list(body["messages"])
+                  drop: tuple[str, ...] = (), *, field: str = "messages") -> dict[str, Any]:
+    """A copy of body with the given (message, part) slots of `field` (chat's `messages`,
+    Responses' `input`) replaced; body is not touched."""
+    messages = list(body[field])
     for (i, j), new in parts.items():
-        if messages[i] is body["messages"][i]:
+        if messages[i] is body[field][i]:
             messages[i] = {**messages[i], "content": list(messages[i]["content"])}
         messages[i]["content"][j] = new
     out = {k: v for k, v in body.items() if k not in drop}
-    out["messages"] = messages
+    out[field] = messages
     return out
 
 

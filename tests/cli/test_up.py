@@ -78,6 +78,23 @@ def test_a_missing_local_model_is_refused_before_anything_starts(epdctl, fake_to
     assert not (state_root / "fake").exists()
 
 
+@pytest.mark.parametrize("connector, error", [
+    ("no_such_ec_pkg.mod:MyConnector", "ModuleNotFoundError: No module named 'no_such_ec_pkg'"),
+    ("json:MyConnector", "AttributeError: module 'json' has no attribute 'MyConnector'"),
+])
+def test_a_connector_the_engines_cannot_import_is_refused_before_anything_starts(
+        epdctl, fake_topology, state_root, connector: str, error: str) -> None:
+    """The probe runs in the engine command's own Python (here this interpreter)."""
+    topo = fake_topology(cache=f"connector: {connector!r}")
+    assert epdctl("up", str(topo), "--dry-run").exit_code == 0  # planning imports nothing
+    result = epdctl("up", str(topo), "-d")
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"Error: `fake`: cache.connector {connector}: {error} (in ")
+    assert len(result.stderr.splitlines()) == 1
+    assert not (state_root / "fake").exists()
+
+
 def test_store_smaller_than_the_cache_budget_is_refused(epdctl, fake_topology, state_root,
                                                         tmp_path: Path) -> None:
     topo = fake_topology(cache="capacity: 1000TiB")

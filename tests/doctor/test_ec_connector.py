@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from epdctl.doctor import Check, run_checks
+from epdctl.doctor import Check, Completed, run_checks
 from epdctl.doctor._check import run_command
 from epdctl.doctor._engine import check_ec_connector, ec_module, probe_environment
 from tests.doctor.fakes import gpu, topology
@@ -80,3 +80,47 @@ def test_example_connector_files_have_no_budget_to_check(tmp_path: Path) -> None
     assert store.status == "ok", store  # a 1 TiB budget would not fit: it is not one here
     assert store.detail.endswith("free (ECExampleConnector's files, no budget: they stay "
                                  "until `down`)")
+
+
+def _placed(topo, tmp_path: Path):
+    from epdctl.plan import plan
+
+    return plan(topo, tmp_path / topo.name, visible_gpus=["0", "1"], cpu_count=2)
+
+
+def test_up_refuses_a_connector_that_does_not_import(tmp_path: Path) -> None:
+    """What `up` asks before anything starts (doctor's probe and checks): one line each."""
+    from epdctl.doctor import connector_problems
+
+    topo = topology(cache={"connector": OOT})
+    run = _runner({OOT: "ModuleNotFoundError: No module named 'my_pkg'"})
+    probes = _probes([gpu("0"), gpu("1")], run)
+    assert connector_problems(topo, _placed(topo, tmp_path), probes) == [
+        f"cache.connector {OOT}: ModuleNotFoundError: No module named 'my_pkg' (in "
+        "/venv/bin/python); make `my_pkg.ec` importable where the engines run (install it, or "
+        "set PYTHONPATH in engine.env), and check the class name"]
+    mooncake = topology(cache={"connector": "ECMooncakeConnector"})
+    run = _runner({"mooncake.engine": "ModuleNotFoundError: No module named 'mooncake'"})
+    [line] = connector_problems(mooncake, _placed(mooncake, tmp_path),
+                                _probes([gpu("0"), gpu("1")], run))
+    assert line.endswith("; `/venv/bin/python -m pip install mooncake-transfer-engine`")
+    fine = _runner({OOT: None})
+    assert connector_problems(topo, _placed(topo, tmp_path),
+                              _probes([gpu("0"), gpu("1")], fine)) == []
+
+
+def test_up_probes_nothing_for_connectors_that_need_nothing(tmp_path: Path) -> None:
+    from epdctl.doctor import connector_problems
+    from tests.doctor.fakes import FakeRunner
+
+    never = FakeRunner()  # any command would fail the test
+    for connector in ("EpdctlShmECConnector", "ECExampleConnector"):
+        topo = topology(cache={"connector": connector})
+        assert connector_problems(topo, _placed(topo, tmp_path),
+                                  _probes([gpu("0"), gpu("1")], never)) == []
+    assert never.calls == []
+    # An engine Python that cannot be probed is left to the engines (and doctor) to report.
+    topo = topology(cache={"connector": OOT})
+    broken = FakeRunner({"-c": Completed(1, "", "boom\n")})
+    assert connector_problems(topo, _placed(topo, tmp_path),
+                              _probes([gpu("0"), gpu("1")], broken)) == []

@@ -179,6 +179,30 @@ def test_a_uuid_naming_another_images_content_key_poisons_nothing(
     assert f"Finish execute for mm hash {blue_key}" in run.log("encode-0")
 
 
+def test_a_responses_uuid_naming_another_images_content_key_poisons_nothing(
+    demo: tuple[TopologyRun, Server],
+) -> None:
+    """Issue 17 on /v1/responses: an input_image's uuid is scoped as a chat part's is."""
+    import httpx
+
+    from epdctl.proxy.media import client_key, content_key
+
+    run, baseline = demo
+    red, blue = make_image(73), make_image(74)
+    blue_url = image_data_url(blue)
+    blue_key = content_key("image", blue)
+    blue_answer = chat(baseline.base_url, baseline.model, image_urls=[blue_url])
+    part = {"type": "input_image", "image_url": image_data_url(red), "uuid": blue_key}
+    reply = httpx.post(f"{run.proxy_url}/v1/responses", timeout=120, json={
+        "model": MODEL, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is in the image?"}, part]}],
+        "temperature": 0.0, "max_output_tokens": 16}, headers={"authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 200, reply.text
+    assert wait_for(lambda: cache_entry(run, client_key(blue_key))), "no entry for the uuid"
+    assert cache_entry(run, blue_key) is None
+    assert chat(run.proxy_url, MODEL, api_key=KEY, image_urls=[blue_url]) == blue_answer
+
+
 def test_the_instances_refuse_requests_that_go_around_the_proxy(
     demo: tuple[TopologyRun, Server],
 ) -> None:

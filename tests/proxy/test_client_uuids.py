@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from epdctl.proxy.media import CLIENT_PREFIX, client_key, content_key, scope_client_uuids
-from tests.proxy.fakes import Fakes, Seen, completion, image_part
+from tests.proxy.fakes import MODEL, Fakes, Seen, completion, image_part
 
 pytestmark = pytest.mark.anyio
 RED, BLUE = b"\x89PNG red pixels", b"\x89PNG blue pixels"
@@ -142,3 +142,20 @@ def test_client_keys_are_their_own_space():
     assert count == 1 and scoped["messages"][0]["content"][0]["uuid"] == client_key("7")
     assert body["messages"][0]["content"][0]["uuid"] == 7  # the client's body is not touched
     assert scope_client_uuids({"messages": [{"role": "user", "content": "hi"}]}, True)[1] == 0
+
+
+@pytest.mark.parametrize("honoured", [True, False], ids=["client-uuids", "no-client-uuids"])
+async def test_responses_input_image_uuids_are_scoped_as_chats_are(rig_factory, honoured):
+    """/v1/responses: red pixels tagged with the blue image's content key poison nothing."""
+    fakes = Engines()
+    rig = rig_factory(fakes, encode=("http://e0",), client_uuids=honoured)
+    blue_key = content_key("image", BLUE)
+    part = {"type": "input_image", "image_url": URLS["red"], "uuid": blue_key}
+    body = {"model": MODEL, "input": [{"role": "user", "content": [part]}]}
+    r = await rig.client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    key = client_key(blue_key) if honoured else content_key("image", RED)
+    assert fakes.encoded == {key: URLS["red"]}  # E keyed it in the client's space
+    [pd] = fakes.posts("pd")
+    assert pd.body["input"][0]["content"][0]["uuid"] == key
+    assert body["input"][0]["content"][0]["uuid"] == blue_key  # the client's body untouched
