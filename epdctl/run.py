@@ -150,7 +150,7 @@ def _refuse_if_running(sdir: StateDir) -> None:
 def _claim(run: Run) -> tuple[RunState, int]:
     """Take the lock, check what must hold before anything starts, write state.json."""
     from epdctl.cache import make_store_dir
-    from epdctl.cache.store import check_capacity
+    from epdctl.cache.capacity import check_capacity
     from epdctl.ports import check_plan_ports
 
     sdir = run.sdir

@@ -305,12 +305,13 @@ def _resolve(topology: Topology, base: Path) -> Topology:
     return topology.model_copy(update=update) if update else topology
 
 
-def load_topology(path: str | Path) -> Topology:
-    """Read and validate a topology YAML file; relative model and cache paths become absolute.
+def load_topology(path: str | Path, *, is_here: bool = True) -> Topology:
+    """Read and validate a topology YAML file; relative model and cache paths become absolute
+    (unless `is_here` is False: paths as written, for machines elsewhere, e.g. the pods).
 
     A local model path need not exist (render and --dry-run work without it); what needs
     the model calls `require_local_model`.
     """
     path = Path(path)
     topology = parse_topology(read_yaml(path), str(path))
-    return _resolve(topology, path.parent)
+    return _resolve(topology, path.parent) if is_here else topology

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import secrets
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from epdctl import private
 from epdctl.cache import _recycle, make_store_dir
@@ -28,7 +26,6 @@ from epdctl.cache._format import (
 )
 from epdctl.cache._maps import MAPPINGS
 from epdctl.errors import CacheError
-from epdctl.units import format_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -100,6 +97,11 @@ class Store:
         except CacheError as exc:
             self.refused = str(exc)
         return self
+
+    @staticmethod
+    def stem(key: str) -> str:
+        """`key`'s file-name stem, as entry_stems lists it."""
+        return key_filename(key)
 
     def entry_path(self, key: str) -> str:
         return f"{self.entries}/{key_filename(key)}{ENTRY_SUFFIX}"
@@ -382,65 +384,3 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def check_capacity(store_dir: str | os.PathLike[str], capacity_bytes: int) -> None:
-    """CacheError unless `store_dir` is the user's own, writable, and its filesystem can
-    hold the budget (it is created 0700 when missing)."""
-    root = make_store_dir(store_dir)
-    try:
-        probe = root / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as exc:
-        raise CacheError(f"the EC store `{root}` is not writable: {exc.strerror}") from None
-    problem = capacity_problem(root, capacity_bytes)
-    if problem:
-        raise CacheError(problem)
-
-
-class Usage(Protocol):
-    """What capacity_problem reads of shutil.disk_usage's answer."""
-
-    @property
-    def total(self) -> int: ...
-    @property
-    def free(self) -> int: ...
-
-
-DiskUsage = Callable[[Path], Usage]
-
-
-def capacity_problem(
-    store_dir: str | os.PathLike[str], capacity_bytes: int,
-    disk_usage: DiskUsage = shutil.disk_usage,
-) -> str | None:
-    """Why the store's filesystem cannot hold the budget (entries it holds count as room).
-
-    Reads the nearest existing directory, so a store that does not exist yet is judged by
-    the filesystem it will be created on. None when the budget fits.
-    """
-    root = Path(store_dir)
-    existing = root
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    usage = disk_usage(existing)
-    available = usage.free + _store_bytes(root)
-    if available >= capacity_bytes:
-        return None
-    return (
-        f"the EC store `{root}` has {format_bytes(available)} available "
-        f"(filesystem size {format_bytes(usage.total)}) but the cache capacity is "
-        f"{format_bytes(capacity_bytes)}; lower cache.capacity or enlarge the filesystem "
-        "(Docker: --shm-size)"
-    )
-
-
-def _store_bytes(root: Path) -> int:
-    total = 0
-    for entry in root.glob(f"*/{ENTRIES}/*{ENTRY_SUFFIX}"):
-        try:
-            total += entry.stat().st_size
-        except FileNotFoundError:
-            pass
-    return total

@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from epdctl.cli._app import App
-from epdctl.cli._render import Progress
+from epdctl.cli.views import Progress
 
 if TYPE_CHECKING:
     from rich.status import Status

@@ -114,13 +114,11 @@ def k8s(
     `model:` is read as the pods see it: an absolute path is a path inside the pods (it need
     not exist here), a Hugging Face id is downloaded into the pods' cache.
     """
-    from epdctl._topology_file import read_yaml
     from epdctl.render import K8sOptions, dump_all, render_k8s, write_dir
-    from epdctl.topology import parse_topology
+    from epdctl.topology import load_topology
 
-    # Not load_topology: a model path is the pods', not this machine's, so it is kept as
-    # written and need not exist here.
-    topology = parse_topology(read_yaml(topology_path), str(topology_path))
+    # A model path is the pods', not this machine's: kept as written, need not exist here.
+    topology = load_topology(topology_path, is_here=False)
     if ec_connector is None and topology.cache.connector in NETWORK_CONNECTORS:
         ec_connector = topology.cache.connector  # the topology's, where it crosses nodes
     if ec_connector is None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from epdctl.cli._app import App, pass_app
-from epdctl.cli._render import percent, proxy_url, status_table
+from epdctl.cli.views import percent, proxy_url, status_table
 
 if TYPE_CHECKING:
     from epdctl.state import Record, RunState, SpecModel, StateDir

@@ -11,7 +11,7 @@ import click
 from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
-from epdctl.cli._render import Progress, summary
+from epdctl.cli.views import Progress, summary
 from epdctl.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:

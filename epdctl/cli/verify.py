@@ -33,7 +33,7 @@ def _specs(app: App, topology_path: Path, topology: Topology, sdir: StateDir
 
 def _up(app: App, topology_path: Path, topology: Topology, timeout_s: float) -> RunState:
     """Start the topology detached; progress and summary on stderr (stdout is the report's)."""
-    from epdctl.cli._render import Progress, summary
+    from epdctl.cli.views import Progress, summary
     from epdctl.run import prepare, start_detached
 
     run = prepare(topology_path, app.state_root, topology=topology)
@@ -73,8 +73,8 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
            baseline_gpus: str | None, should_keep: bool, timeout_s: float) -> None:
     """Check a topology's answers against an aggregated baseline, with EC cache hits"""
     from epdctl import baseline as base
-    from epdctl.cli._render import proxy_url
     from epdctl.cli._verify_render import mismatches, verify_table
+    from epdctl.cli.views import proxy_url
     from epdctl.errors import VerifyError
     from epdctl.launcher import stop_all
     from epdctl.run import require_ready

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from epdctl.cache import CONNECTOR_NAME
-from epdctl.cache.store import DiskUsage
+from epdctl.cache.capacity import DiskUsage
 from epdctl.doctor._check import Check, Completed, Runner, Status, run_command
 from epdctl.doctor._engine import (
     EnvReport,

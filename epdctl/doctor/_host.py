@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from epdctl.cache import CONNECTOR_NAME
-from epdctl.cache.store import DiskUsage, capacity_problem
+from epdctl.cache.capacity import DiskUsage, capacity_problem
 from epdctl.doctor._check import Check
 from epdctl.ec_connectors import EXAMPLE
 from epdctl.errors import PlanError

@@ -20,7 +20,6 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from epdctl.cache._format import key_filename
 from epdctl.cache.sidecar import read_meta, write_meta
 from epdctl.cache.stats import StatsWriter
 from epdctl.cache.store import Miss, Store
@@ -70,7 +69,7 @@ class StoreLookup:
         """
         hits = {}
         for uuid, item in unique.items():
-            stem = key_filename(uuid)
+            stem = Store.stem(uuid)
             if stem not in self._stems:
                 continue
             if isinstance(self.store.check(uuid), Miss):
@@ -94,7 +93,7 @@ class StoreLookup:
         # A key other than the uuid (mm kwargs, LoRA prefix) can never be looked up by uuid.
         if key != item.uuid:
             return
-        self._stems.add(key_filename(key))
+        self._stems.add(Store.stem(key))
         if has_metadata:
             self._fresh[key] = entry
 
@@ -108,7 +107,7 @@ class StoreLookup:
         describes (atomically), and flush the counters if they changed."""
         stems = self.store.entry_stems()
         for key, entry in self._fresh.items():
-            if key_filename(key) in stems:
+            if Store.stem(key) in stems:
                 write_meta(self.store, key, entry)
         self._fresh.clear()
         self._stems = stems

@@ -12,10 +12,11 @@ import pytest
 
 from epdctl import cache
 from epdctl.cache import _recycle
+from epdctl.cache.capacity import check_capacity
 from epdctl.cache.janitor import clean, enforce, keep_topology_store
 from epdctl.cache.listing import inspect
 from epdctl.cache.stats import StatsWriter
-from epdctl.cache.store import Pin, Store, check_capacity, unpin
+from epdctl.cache.store import Pin, Store, unpin
 from epdctl.errors import CacheError
 from epdctl.topology_sections import Cache
 from tests.cache.conftest import payload

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from epdctl.cache._format import PAGE_BYTES, decode_header, key_filename
-from epdctl.cache.store import Miss, Pin, Store, check_capacity, read_into, unpin
+from epdctl.cache.capacity import check_capacity
+from epdctl.cache.store import Miss, Pin, Store, read_into, unpin
 from epdctl.errors import CacheError
 from tests.cache.conftest import payload
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from epdctl.cli._render import summary
+from epdctl.cli.views import summary
 from epdctl.state import RunState, SpecModel
 
 

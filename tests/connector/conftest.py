@@ -17,7 +17,7 @@ def store_root() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="epdctl-test-", dir=base))
     yield root
     # Connectors flush stats from a thread; shut them down before removing their store.
-    from tests.connector.test_ec import shutdown_all
+    from tests.connector.driving import shutdown_all
 
     shutdown_all()
     shutil.rmtree(root, ignore_errors=True)

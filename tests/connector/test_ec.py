@@ -5,105 +5,26 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from vllm.config import ECTransferConfig  # noqa: E402
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
-from vllm.multimodal.inputs import (  # noqa: E402
-    MultiModalFeatureSpec,
-    MultiModalFieldElem,
-    MultiModalKwargsItem,
-    MultiModalSharedField,
-    PlaceholderRange,
-)
-
-from epdctl.cache import CONNECTOR_NAME  # noqa: E402
 from epdctl.cache.stats import read_stats  # noqa: E402
 from epdctl.cache.store import Store  # noqa: E402
-from epdctl.connector import EpdctlShmECConnector  # noqa: E402
+from tests.connector.driving import (  # noqa: E402
+    NS,
+    SCHED,
+    WORKER,
+    feature,
+    make,
+    pins,
+    produce,
+    request,
+    step,
+)
 from tests.connector.epd import ec_item  # noqa: E402
-
-NS = "ns-unit"
-SCHED, WORKER = ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER
-
-
-class Resolver:
-    """Stands in for vLLM's PlaceholderMetadataResolver of a Qwen2-VL-like model."""
-
-    def fields_for(self, modality: str) -> set[str]:
-        return {"image_grid_thw"}
-
-
-def make(
-    root: Path, role: ECConnectorRole, ec_role: str, *, dtype=None, tp: int = 1, rank: int = 0
-) -> EpdctlShmECConnector:
-    cfg = SimpleNamespace(
-        ec_transfer_config=ECTransferConfig(
-            ec_connector=CONNECTOR_NAME,
-            ec_role=ec_role,
-            engine_id=f"t-{ec_role}",
-            ec_connector_extra_config={"store_dir": str(root), "namespace": NS},
-        ),
-        model_config=SimpleNamespace(dtype=dtype or torch.float32),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, prefill_context_parallel_size=1),
-    )
-    conn = EpdctlShmECConnector(cfg, role)  # type: ignore[arg-type]
-    _made.append(conn)
-    conn._sched._resolver = Resolver()  # type: ignore[assignment]
-    conn._rank = rank  # no torch.distributed here
-    return conn
-
-
-_made: list[EpdctlShmECConnector] = []
-
-
-def shutdown_all() -> None:
-    while _made:
-        _made.pop().shutdown()
-
-
-def elem(t: torch.Tensor) -> MultiModalFieldElem:
-    return MultiModalFieldElem(data=t, field=MultiModalSharedField(batch_size=1))
-
-
-def feature(key: str, rows: int, *, media: bool = True) -> MultiModalFeatureSpec:
-    data = {"image_grid_thw": elem(torch.tensor([1, 2, rows // 2]))}
-    if media:
-        data["pixel_values"] = elem(torch.zeros(4, 3))
-    return MultiModalFeatureSpec(
-        data=MultiModalKwargsItem(data),
-        modality="image",
-        identifier=key,
-        mm_position=PlaceholderRange(offset=3, length=rows),
-    )
-
-
-def request(rid: str, *features: MultiModalFeatureSpec) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, mm_features=list(features))
-
-
-def step(sched: EpdctlShmECConnector, worker: EpdctlShmECConnector, cache: dict) -> None:
-    """One engine step's hand-off: metadata pickled as the mp executor does."""
-    meta = pickle.loads(pickle.dumps(sched.build_connector_meta(None)))  # type: ignore[arg-type]
-    worker.bind_connector_metadata(meta)
-    if worker.is_producer:
-        worker.start_save_caches(encoder_cache=cache)
-    if worker.is_consumer:
-        worker.start_load_caches(cache)
-    worker.clear_connector_metadata()
-
-
-def produce(root: Path, key: str, t: torch.Tensor) -> None:
-    make(root, WORKER, "ec_producer").save_caches({key: t}, key)
-
-
-def pins(root: Path) -> list[str]:
-    return os.listdir(root / NS / "pins")
 
 
 def test_e_saves_and_pd_loads_without_encoding(store_root: Path) -> None:
@@ -270,9 +191,8 @@ def _with_modality(collect):
 
     def collect_033(features, resolver):
         items = collect(features, resolver)
-        for feature in features:
-            items[feature.identifier] = {"modality": feature.modality,
-                                         **items[feature.identifier]}
+        for spec in features:
+            items[spec.identifier] = {"modality": spec.modality, **items[spec.identifier]}
         return items
 
     return collect_033
@@ -341,109 +261,3 @@ def test_metadata_objects_are_not_reused(store_root: Path) -> None:
     second = sched.build_connector_meta(None)  # type: ignore[arg-type]
     assert first is not second and len(first.loads) == 1 and second.loads == []  # type: ignore[attr-defined]
     assert sched.has_pending_push_work() is False
-
-
-def test_a_pending_item_defers_until_its_entry_lands(store_root: Path) -> None:
-    """Overlap: the proxy marked the item pending (E is computing it), so PD waits for the
-    entry instead of encoding; then it loads it like any other entry."""
-    import time
-
-    t = torch.randn(6, 16)
-    sched, worker = make(store_root, SCHED, "ec_consumer"), make(store_root, WORKER, "ec_consumer")
-    store = Store(store_root, NS).create()
-    assert store.mark_pending("img", time.time() + 60)
-    req = request("r1", feature("img", 6))
-    for _ in range(3):  # asked again every step while E works
-        assert sched.ensure_cache_available(req, 0) is False
-        assert sched.has_cache_item("img") is False
-    produce(store_root, "img", t)
-    store.clear_pending("img")  # the proxy, once E answered
-    assert sched.ensure_cache_available(req, 0) is True
-    assert sched.has_cache_item("img") is True
-    sched.update_state_after_alloc(req, 0)
-    cache: dict = {}
-    step(sched, worker, cache)
-    assert torch.equal(cache["img"], t)
-    sched.request_finished(req)
-    sched.shutdown()
-    worker.shutdown()
-    counts, _ = read_stats(store_root / NS)
-    assert (counts["waits"], counts["expired"], counts["hits"], counts["misses"]) == (1, 0, 1, 0)
-    assert counts["wait_s"] > 0
-
-
-def test_an_entry_that_lands_between_the_pin_and_the_mark_is_a_hit(
-    store_root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The race the overlap opens: PD's pin misses, then E saves and the proxy clears the mark
-    before PD looks at it. The entry is there: PD loads it (a hit), it encodes nothing."""
-    import time
-
-    sched = make(store_root, SCHED, "ec_consumer")
-    store = Store(store_root, NS).create()
-    assert store.mark_pending("img", time.time() + 60)
-    looked = Store.pending_until
-
-    def e_answers_first(self: Store, key: str) -> float | None:
-        if not self.has_entry(key):
-            produce(store_root, key, torch.randn(6, 16))
-            store.clear_pending(key)
-        return looked(self, key)
-
-    monkeypatch.setattr(Store, "pending_until", e_answers_first)
-    req = request("r1", feature("img", 6))
-    assert sched.ensure_cache_available(req, 0) is True
-    assert sched.has_cache_item("img") is True  # loaded from the store, not encoded
-    sched.request_finished(req)
-    sched.shutdown()
-    counts, _ = read_stats(store_root / NS)
-    assert (counts["hits"], counts["misses"], counts["expired"]) == (1, 0, 0)
-
-
-@pytest.mark.parametrize("how", ["cleared", "past-deadline"])
-def test_a_pending_item_whose_entry_never_comes_is_encoded_locally(
-    store_root: Path, how: str
-) -> None:
-    """E failed (the proxy cleared the mark without an entry) or the mark's deadline passed
-    (the proxy died): PD encodes the item itself, and other requests were never held."""
-    import time
-
-    sched = make(store_root, SCHED, "ec_consumer")
-    store = Store(store_root, NS).create()
-    produce(store_root, "other", torch.randn(6, 16))
-    assert store.mark_pending("img", time.time() + (60 if how == "cleared" else 0.05))
-    waiting = request("r1", feature("img", 6))
-    assert sched.ensure_cache_available(waiting, 0) is False
-    # Another request on the same PD is scheduled meanwhile.
-    other = request("r2", feature("other", 6))
-    assert sched.ensure_cache_available(other, 0) is True and sched.has_cache_item("other")
-    if how == "cleared":
-        store.clear_pending("img")
-    else:
-        deadline = store.pending_until("img")
-        assert deadline is not None
-        while time.time() <= deadline:  # the mark's own deadline, an observed event
-            time.sleep(0.01)
-    assert sched.ensure_cache_available(waiting, 0) is True
-    assert sched.has_cache_item("img") is False  # encoded locally
-    assert sched.take_unavailable_requests() == set()
-    sched.shutdown()
-    counts, _ = read_stats(store_root / NS)
-    assert (counts["waits"], counts["expired"], counts["misses"]) == (1, 1, 1)
-
-
-def test_a_metadata_only_request_waits_too_and_fails_only_when_nothing_comes(
-    store_root: Path,
-) -> None:
-    import time
-
-    sched = make(store_root, SCHED, "ec_consumer")
-    store = Store(store_root, NS).create()
-    store.mark_pending("img", time.time() + 60)
-    req = request("r1", feature("img", 6, media=False))
-    assert sched.ensure_cache_available(req, 0) is False
-    assert sched.take_unavailable_requests() == set()  # waiting, not failed
-    store.clear_pending("img")
-    assert sched.ensure_cache_available(req, 0) is False
-    assert sched.take_unavailable_requests() == {"r1"}
-    sched.shutdown()

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from epdctl.cache.store import Store  # noqa: E402
-from tests.connector.test_ec import (  # noqa: E402
+from tests.connector.driving import (  # noqa: E402
     NS,
     SCHED,
     WORKER,

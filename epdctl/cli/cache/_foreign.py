@@ -14,8 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from epdctl.cli._app import App
-from epdctl.cli._render import duration, size
 from epdctl.cli.cache._store import StoreView
+from epdctl.cli.views import duration, size
 from epdctl.errors import CacheError
 
 # vLLM's ECExampleConnector checks a file exists, then loads it a step later, with no fallback

@@ -10,8 +10,8 @@ import click
 from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
-from epdctl.cli._render import size
 from epdctl.cli.cache._store import resolve_store, store_dir_option
+from epdctl.cli.views import size
 from epdctl.errors import CacheError
 
 

@@ -14,8 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
-from epdctl.cli._render import duration, percent, size
 from epdctl.cli.cache._store import StoreView, resolve_store, store_dir_option
+from epdctl.cli.views import duration, percent, size
 
 _COLUMNS = ("ENTRIES", "SIZE", "PINNED", "HITS", "MISSES", "SAVES", "LOADS", "HIT%", "OLDEST",
             "NEWEST")
