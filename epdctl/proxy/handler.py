@@ -14,7 +14,7 @@ from epdctl.proxy import responses
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoder, Looked
-from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError, bad_request
+from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError
 from epdctl.proxy.generate import Answer, Generator, StageFailed
 from epdctl.proxy.lookup import StoreLookup
 from epdctl.proxy.media import assign_uuids, scope_client_uuids
@@ -228,9 +228,6 @@ class ProxyHandler:
                 return await self.generator.run(route, first, first, False, stream, trace)
             self.metrics.keyed_by["content"].inc(by_content)
             if self.mooncake is not None:
-                if route != CHAT:
-                    raise bad_request("media in /v1/responses need --ec-protocol shared "
-                                      "(use /v1/chat/completions with mooncake)", "input")
                 return await self.mooncake.run(route, body, items, stream, trace)
             first, second, is_rewritten = await self._encode(route, body, items, trace)
         return await self.generator.run(route, first, second, is_rewritten, stream, trace)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from epdctl.proxy import responses
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoded, Encoder
 from epdctl.proxy.errors import ProxyError, bad_request
 from epdctl.proxy.generate import ATTEMPTS, Answer, Generator, StageFailed, next_attempt
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import MediaItem, pd_body
+from epdctl.proxy.routing import CONTENT_FIELDS, RESPONSES, MediaItem, pd_body
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Instance
 
@@ -55,20 +56,32 @@ class MooncakeRoute:
     async def run(self, route: str, body: dict[str, Any], items: list[MediaItem],
                   is_stream: bool, trace: Trace) -> Answer:
         """Pick PD, encode for it, send; on a failure (but a timeout) do it all again
-        elsewhere: the pushes may be what failed."""
+        elsewhere: the pushes may be what failed.
+
+        /v1/responses: E gets the chat request it gets for chat (responses.encoder_view),
+        PD the input with each image's key and the transfer ids (vLLM 0.33 reads a
+        Responses request's `ec_transfer_params`); nothing is rewritten to metadata there.
+        """
         unkeyed = [n for n, it in enumerate(items) if it.uuid is None]
         if unkeyed:
             how = ("give it a `uuid`" if self.config.client_uuids
                    else "this proxy ignores client uuids")
             raise bad_request(
                 f"media item #{unkeyed[0]} has no content key (only data: and http(s) URLs "
-                f"get one): {how}, since every item must go through the encoder", "messages")
-        should_rewrite = self.config.metadata_rewrite
+                f"get one): {how}, since every item must go through the encoder",
+                CONTENT_FIELDS[route])
+        is_responses = route == RESPONSES
+        view, moved = responses.encoder_view(body, items) if is_responses else (body, items)
+        should_rewrite = self.config.metadata_rewrite and not is_responses
         avoid: Instance | None = None
         for attempt in range(ATTEMPTS):
             inst = self.generator.decode_pool.pick(avoid)
-            encoded = await self._encode_for(inst, body, items, trace)
-            first, is_rewritten = consumer_body(body, items, encoded, should_rewrite)
+            encoded = await self._encode_for(inst, view, moved, trace)
+            if is_responses:
+                params = {**encoded.params, "ec_items": consumer_items(moved, encoded)}
+                first, is_rewritten = responses.pd_body(body, items, params), False
+            else:
+                first, is_rewritten = consumer_body(body, items, encoded, should_rewrite)
             try:
                 return await self.generator.answer_from(inst, route, first,
                                                         attempt + 1 < ATTEMPTS, is_stream, trace)

@@ -84,6 +84,35 @@ async def test_e_pushes_to_the_chosen_pd_and_pd_waits_for_the_same_transfer_id(r
     assert len(tid) == 32 and int(tid, 16) >= 0
 
 
+async def test_responses_images_are_pushed_to_the_chosen_pd_too(rig_factory):
+    """/v1/responses: E gets the chat request it gets for chat, PD the input keyed, with
+    E's entry and the transfer to wait for (vLLM 0.33 reads a Responses request's
+    ec_transfer_params)."""
+    fakes = Fakes()
+    rig = _rig(rig_factory, fakes, replies=0, metadata_rewrite=True)
+    fakes.then("e0", lambda seen: producer_reply(seen, GRID))  # no rewrite on this route
+    url = image_part()["image_url"]["url"]
+    body = {"model": MODEL, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what?"}, {"type": "input_image", "image_url": url}]}]}
+    r = await rig.client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    [pd] = fakes.posts("pd")
+    [(consumer, tid)] = _pushes(fakes)
+    assert consumer == ZMQ[pd.instance]
+    [enc] = fakes.posts("e")
+    assert enc.body["messages"] == [{"role": "user", "content": [{**image_part(), "uuid": KEY}]}]
+    assert pd.body["input"][0]["content"][1] == {"type": "input_image", "image_url": url,
+                                                 "uuid": KEY}
+    assert pd.body["ec_transfer_params"] == {
+        KEY: {"modality": "image", "item_indices": [0], "metadata": GRID, "transfer_id": tid},
+        "ec_items": [{"mm_hash": KEY, "transfer_id": tid}]}
+    unkeyed = {"model": MODEL, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "file:///tmp/cat.png"}]}]}
+    r = await rig.client.post("/v1/responses", json=unkeyed)
+    assert r.status_code == 400 and "uuid" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "input"
+
+
 async def test_the_chosen_pd_counts_the_request_while_e_runs(rig_factory):
     fakes = Fakes()
     rig = rig_factory(fakes, encode=("http://e0",), pd=("http://pd0", "http://pd1"), **MOONCAKE)
