@@ -14,12 +14,12 @@ from epdctl.errors import PlanError
 from epdctl.gpus import GpuInfo
 from epdctl.plan import Plan
 from epdctl.private import dir_problem
+from epdctl.shm import SHM
 from epdctl.topology import Topology
 from epdctl.units import format_bytes
 
 # What vLLM 0.32 takes of a GPU when a role sets no gpu_memory_utilization (CacheConfig).
 VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
-SHM = Path("/dev/shm")
 _MOUNTS = Path("/proc/self/mounts")
 
 Gpus = list[GpuInfo] | PlanError
