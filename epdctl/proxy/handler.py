@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from collections.abc import Callable, MutableMapping
@@ -199,7 +200,7 @@ class ProxyHandler:
         except ProxyError:
             # Not ours to refuse: vLLM answers it (its own error, or its answer).
             trace.notes.append("passed_through=1")
-            return await self.passthrough.run(scope, raw, trace)
+            return await self.passthrough.run(scope, self._scoped_raw(route, raw), trace)
         if not has_rid and isinstance(body.get("request_id"), str):
             trace.rid = request_id(body["request_id"])  # what vLLM names the answer by
         stream = is_stream(body)
@@ -231,6 +232,21 @@ class ProxyHandler:
                 return await self.mooncake.run(route, body, items, stream, trace)
             first, second, is_rewritten = await self._encode(route, body, items, trace)
         return await self.generator.run(route, first, second, is_rewritten, stream, trace)
+
+    def _scoped_raw(self, route: str, raw: bytes) -> bytes:
+        """A body the proxy does not take, with no client uuid left as sent either: vLLM may
+        take what the proxy refuses, and would key the media by it."""
+        if route not in CONTENT_FIELDS:
+            return raw
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return raw
+        if not isinstance(body, dict):
+            return raw
+        scoped, _ = scope_client_uuids(body, self.config.client_uuids,
+                                       field=CONTENT_FIELDS[route])
+        return raw if scoped is body else json.dumps(scoped).encode()
 
     def _media(self, route: str, body: dict[str, Any]) -> list[MediaItem]:
         if self.encoder is None:

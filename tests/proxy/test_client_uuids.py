@@ -159,3 +159,25 @@ async def test_responses_input_image_uuids_are_scoped_as_chats_are(rig_factory, 
     [pd] = fakes.posts("pd")
     assert pd.body["input"][0]["content"][0]["uuid"] == key
     assert body["input"][0]["content"][0]["uuid"] == blue_key  # the client's body untouched
+
+
+@pytest.mark.parametrize("route, field, part", [
+    ("/v1/chat/completions", "messages", image_part(RED, uuid="k")),
+    ("/v1/responses", "input", {"type": "input_image", "image_url": URLS["red"], "uuid": "k"}),
+])
+async def test_a_body_the_proxy_passes_through_gets_its_uuids_scoped_too(rig_factory, route,
+                                                                         field, part):
+    """A body the proxy does not take goes to PD for vLLM to answer, which may take it: its
+    uuids are no less the client's there."""
+    fakes = Fakes()
+    rig = rig_factory(fakes, encode=("http://e0",))
+    body = {"model": MODEL, field: [{"role": "user", "content": [part]}],
+            "stream_options": "not an object"}  # refused by the proxy's checks
+    r = await rig.client.post(route, json=body)
+    assert r.status_code == 200, r.text
+    [pd] = fakes.posts("pd")
+    assert pd.body[field][0]["content"][0]["uuid"] == client_key("k")
+    assert pd.body["stream_options"] == "not an object"  # the rest as it came
+    assert fakes.posts("e") == []
+    junk = await rig.client.post(route, content=b"{not json")
+    assert junk.status_code == 200 and fakes.posts("pd")[-1].raw == b"{not json"
