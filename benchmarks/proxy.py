@@ -204,7 +204,8 @@ def main() -> None:
     store = ["--store-dir", store_dir, "--namespace", namespace] if a.has_store else []
     proxy = subprocess.Popen(
         [sys.executable, "-m", "epdctl.proxy", "--port", str(proxy_port), "--model", "m",
-         "--encode", f"http://127.0.0.1:{e_port}", "--pd", f"http://127.0.0.1:{pd_port}",
+         "--encode", f"http://127.0.0.1:{e_port}",
+         "--prefill-decode", f"http://127.0.0.1:{pd_port}",
          "--max-inflight", "4096", "--client", a.client, *store],
         cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
