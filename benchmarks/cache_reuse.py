@@ -240,7 +240,7 @@ def extra_proxy(port: int, model: str, e_url: str, pd_url: str, store: tuple[str
 
     env = {**os.environ, **({UPSTREAM_KEY_ENV: upstream_key} if upstream_key else {})}
     argv = [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", model,
-            "--encode", e_url, "--pd", pd_url, "--max-inflight", "4096",
+            "--encode", e_url, "--prefill-decode", pd_url, "--max-inflight", "4096",
             "--store-dir", store[0], "--namespace", store[1], *flags]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
 

@@ -1,15 +1,23 @@
-"""Proxy overhead: fake upstreams with a fixed delay, direct calls vs calls through the proxy.
+"""Proxy overhead: fake upstreams with a fixed delay, direct calls vs calls through the proxy,
+and image requests with store lookups vs without, side by side in one run.
 
     .venv/bin/python benchmarks/proxy.py [--delay-ms 1] [--seconds 3] [--levels 1,8,32,64]
         [--no-store]
 
-Starts a fake E + PD server (raw asyncio, one process, two ports) and the proxy
-(`python -m epdctl.proxy`, its own process), then drives each with a closed-loop raw
-asyncio HTTP/1.1 load generator at several concurrency levels. Every image request carries
-an image of its own, and the proxy looks each one up in an (empty) EC store first, so every
-lookup misses: the overhead of the skip when nothing repeats (--no-store: no lookups, for
-proxies without them). Prints added latency p50/p99 (text, concurrency 1) and the best
-requests/s, ending with one key=value line.
+Starts a fake E + PD server (raw asyncio, one process, two ports) and two proxies
+(`python -m epdctl.proxy`, each its own process) before the same fakes: one over an empty EC
+store (`--store-dir/--namespace`), which looks each image up before the E stage, and one
+without a store (no lookups). Then it drives them with a closed-loop raw asyncio HTTP/1.1 load
+generator at several concurrency levels: text straight to PD (direct) and through the proxy
+without lookups (proxy), and image requests on both proxies, one after the other, the arm that
+goes first alternating from level to level. Every image request carries an image of its own,
+so every lookup misses: the two image arms measure the cost of the skip when nothing repeats.
+--no-store: the proxy without lookups alone (for proxies without them).
+
+Prints added latency p50/p99 (text, the first level), the best requests/s and each proxy's CPU
+per request, ending with one key=value line; with both arms, image_rps_ratio_lookups (best
+image req/s with lookups / without) and image_p50_ratio_lookups (image p50 at the first level,
+with / without).
 """
 
 from __future__ import annotations
@@ -181,6 +189,30 @@ def _wait_port(port: int, timeout_s: float = 20.0) -> None:
     raise RuntimeError(f"nothing listening on {port}")
 
 
+def _start_proxy(port: int, e_port: int, pd_port: int, client: str,
+                 store: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", "m",
+         "--encode", f"http://127.0.0.1:{e_port}",
+         "--prefill-decode", f"http://127.0.0.1:{pd_port}",
+         "--max-inflight", "4096", "--client", client, *store],
+        cwd=ROOT, stderr=subprocess.DEVNULL)
+
+
+def _arms(level_index: int, proxies: dict[str, tuple[int, subprocess.Popen]],
+          pd_port: int) -> list[tuple[str, int, dict, subprocess.Popen | None]]:
+    """One level's rows in order: (name, port, body, the proxy whose CPU is counted)."""
+    port, plain = proxies["plain"]
+    rows: list[tuple[str, int, dict, subprocess.Popen | None]] = [
+        ("direct", pd_port, TEXT, None), ("proxy", port, TEXT, plain)]
+    if "lookups" not in proxies:
+        return [*rows, ("proxy-image", port, IMAGE, plain)]
+    look_port, looking = proxies["lookups"]
+    images = [("image-lookups", look_port, IMAGE, looking),
+              ("image-no-lookups", port, IMAGE, plain)]
+    return rows + (images if level_index % 2 == 0 else images[::-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--delay-ms", type=float, default=1.0)
@@ -188,57 +220,68 @@ def main() -> None:
     p.add_argument("--levels", default="1,8,32,64")
     p.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp")
     p.add_argument("--no-store", dest="has_store", action="store_false",
-                   help="start the proxy without an EC store (no lookups)")
+                   help="no store arm: one proxy, without an EC store (no lookups)")
     p.add_argument("--fakes", nargs=3, type=float, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.fakes:
         _run(_serve_fakes(int(a.fakes[0]), int(a.fakes[1]), a.fakes[2]))
         return
-    e_port, pd_port, proxy_port = free_port(), free_port(), free_port()
+    e_port, pd_port = free_port(), free_port()
     fakes = subprocess.Popen([sys.executable, __file__, "--fakes", str(e_port), str(pd_port),
                               str(a.delay_ms / 1000)])
     store_dir = tempfile.mkdtemp(prefix="epdctl-bench-",
                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     namespace = "bench-0123456789ab"
     (Path(store_dir) / namespace / "entries").mkdir(parents=True)  # empty: every look misses
-    store = ["--store-dir", store_dir, "--namespace", namespace] if a.has_store else []
-    proxy = subprocess.Popen(
-        [sys.executable, "-m", "epdctl.proxy", "--port", str(proxy_port), "--model", "m",
-         "--encode", f"http://127.0.0.1:{e_port}", "--pd", f"http://127.0.0.1:{pd_port}",
-         "--max-inflight", "4096", "--client", a.client, *store],
-        cwd=ROOT, stderr=subprocess.DEVNULL)
+    stores: dict[str, list[str]] = {"plain": []}
+    if a.has_store:
+        stores["lookups"] = ["--store-dir", store_dir, "--namespace", namespace]
+    proxies: dict[str, tuple[int, subprocess.Popen]] = {}
     try:
-        _wait_port(e_port)
-        _wait_port(pd_port)
-        _wait_port(proxy_port)
+        for arm, store in stores.items():
+            port = free_port()
+            proxies[arm] = (port, _start_proxy(port, e_port, pd_port, a.client, store))
+        for port in (e_port, pd_port, *(port for port, _ in proxies.values())):
+            _wait_port(port)
         rows = []
-        for level in [int(x) for x in a.levels.split(",")]:
-            for name, port, body in (("direct", pd_port, TEXT), ("proxy", proxy_port, TEXT),
-                                     ("proxy-image", proxy_port, IMAGE)):
-                cpu_before = _cpu_s(proxy.pid)
+        for n, level in enumerate(int(x) for x in a.levels.split(",")):
+            for name, port, body, proxy in _arms(n, proxies, pd_port):
+                cpu_before = _cpu_s(proxy.pid) if proxy else 0.0
                 result: dict = _run(_load(port, body, level, a.seconds))  # type: ignore
                 # Proxy CPU per request (warm-up included): robust on a busy machine.
-                cpu_us = (_cpu_s(proxy.pid) - cpu_before) * 1e6 / max(result["n"], 1)
-                result["cpu_us"] = cpu_us if name != "direct" else 0.0
+                cpu_us = (_cpu_s(proxy.pid) - cpu_before) * 1e6 / max(result["n"], 1) \
+                    if proxy else 0.0
                 rows.append((level, name, result))
-                print(f"c={level:<4} {name:<12} rps={result['rps']:8.0f} "
+                print(f"c={level:<4} {name:<16} rps={result['rps']:8.0f} "
                       f"p50={result['p50_ms']:7.2f}ms p99={result['p99_ms']:7.2f}ms"
-                      + (f" proxy_cpu={cpu_us:6.0f}us/req" if name != "direct" else ""),
-                      flush=True)
+                      + (f" proxy_cpu={cpu_us:6.0f}us/req" if proxy else ""), flush=True)
     finally:
-        proxy.terminate()
+        for _, proc in proxies.values():
+            proc.terminate()
         fakes.terminate()
-        proxy.wait(10)
+        for _, proc in proxies.values():
+            proc.wait(10)
         fakes.wait(10)
         shutil.rmtree(store_dir, ignore_errors=True)
-    first = min(r[0] for r in rows)
+    print(_summary(rows))
+
+
+def _summary(rows: list[tuple[int, str, dict]]) -> str:
+    """The key=value line: text overhead at the first level, best req/s, lookup ratios."""
+    first = rows[0][0]
     by = {(lvl, name): res for lvl, name, res in rows}
+    best = {name: max(res["rps"] for _, n, res in rows if n == name)
+            for name in {name for _, name, _ in rows}}
     added_p50 = by[(first, "proxy")]["p50_ms"] - by[(first, "direct")]["p50_ms"]
     added_p99 = by[(first, "proxy")]["p99_ms"] - by[(first, "direct")]["p99_ms"]
-    max_rps = max(res["rps"] for lvl, name, res in rows if name == "proxy")
-    max_image = max(res["rps"] for lvl, name, res in rows if name == "proxy-image")
-    print(f"added_p50_ms={added_p50:.3f} added_p99_ms={added_p99:.3f} max_rps={max_rps:.0f} "
-          f"max_rps_image={max_image:.0f}")
+    line = (f"added_p50_ms={added_p50:.3f} added_p99_ms={added_p99:.3f} "
+            f"max_rps={best['proxy']:.0f}")
+    if "proxy-image" in best:
+        return f"{line} max_rps_image={best['proxy-image']:.0f}"
+    p50_ratio = by[(first, "image-lookups")]["p50_ms"] / by[(first, "image-no-lookups")]["p50_ms"]
+    return (f"{line} max_rps_image={best['image-lookups']:.0f} "
+            f"image_rps_ratio_lookups={best['image-lookups'] / best['image-no-lookups']:.3f} "
+            f"image_p50_ratio_lookups={p50_ratio:.3f}")
 
 
 if __name__ == "__main__":

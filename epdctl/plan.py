@@ -38,9 +38,6 @@ PROXY_COMMAND = ("{python}", "-m", "epdctl.proxy")
 PROXY_NAME = "proxy"
 # vLLM 0.16 added --disable-access-log-for-endpoints (vllm-project/vllm#30011).
 QUIET_PROBES_SINCE = (0, 16)
-# The proxy's URL flag for each role's instances.
-PROXY_ROLE_FIELD = {"encode": "encode", "prefill_decode": "pd", "prefill": "prefill",
-                    "decode": "decode"}
 
 
 def model_fingerprint(model: str) -> str:
@@ -316,9 +313,8 @@ def proxy_config(topology: Topology, instances: Sequence[LaunchSpec],
     knobs: dict[str, Any] = {}
     for key, value in topology.proxy.model_dump().items():
         knobs[key if key in names else f"{key}_s"] = value
-    for spec in instances:
-        key = PROXY_ROLE_FIELD[spec.role]
-        knobs[key] = (*knobs.get(key, ()), spec.url)
+    for spec in instances:  # each role's instances go to the ProxyConfig field of its name
+        knobs[spec.role] = (*knobs.get(spec.role, ()), spec.url)
     knobs.update(ec_conn.proxy_knobs(topology, instances, namespace))
     return ProxyConfig(models=(topology.model_name,), upstream_api_key=upstream_api_key, **knobs)
 

@@ -131,7 +131,7 @@ def test_1e1pd_exact() -> None:
     assert (encode.start_after, pd.start_after) == ((), ())
     assert result.proxy.argv == (
         PY, "-m", "epdctl.proxy", "--host", "127.0.0.1", "--port", "8000", "--model", MODEL,
-        "--encode", "http://127.0.0.1:8100", "--pd", "http://127.0.0.1:8101",
+        "--encode", "http://127.0.0.1:8100", "--prefill-decode", "http://127.0.0.1:8101",
         "--encode-timeout", "60.0", "--prefill-timeout", "120.0", "--decode-timeout", "120.0",
         "--stream-idle-timeout", "60.0", "--max-inflight", "256",
         "--store-dir", f"/dev/shm/epdctl-{os.geteuid()}", "--namespace", ns,
@@ -177,7 +177,7 @@ def test_2e2pd_tp2_exact() -> None:
     assert "--tensor-parallel-size" not in result.instances[0].argv
     assert result.proxy.argv[9:17] == (
         "--encode", "http://127.0.0.1:8100", "--encode", "http://127.0.0.1:8101",
-        "--pd", "http://127.0.0.1:8102", "--pd", "http://127.0.0.1:8103",
+        "--prefill-decode", "http://127.0.0.1:8102", "--prefill-decode", "http://127.0.0.1:8103",
     )
     assert flag_value(result.proxy.argv, "--max-inflight") == "512"
 
@@ -390,7 +390,7 @@ def test_proxy_options() -> None:
     assert result.model_name == "qwen"
     assert result.proxy.argv == (
         PY, "-m", "epdctl.proxy", "--host", "0.0.0.0", "--port", "9000", "--model", "qwen",
-        "--pd", "http://127.0.0.1:8100",
+        "--prefill-decode", "http://127.0.0.1:8100",
         "--encode-timeout", "60.0", "--prefill-timeout", "120.0", "--decode-timeout", "300.0",
         "--stream-idle-timeout", "60.0", "--max-inflight", "256", "--no-metadata-rewrite",
     )

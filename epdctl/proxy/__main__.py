@@ -36,11 +36,10 @@ async def serve(config: ProxyConfig) -> None:
             app, host=config.host, port=config.port, http="auto", lifespan="off",
             access_log=False, log_level="warning", timeout_keep_alive=30, backlog=4096))
         health = asyncio.create_task(app.state.proxy.run_health_checks())
-        log.info("proxy on http://%s:%d mode=%s encode=%s pd=%s prefill=%s decode=%s "
-                 "rewrite=%s ec=%s skip_cached=%s overlap=%s auth=%s client=%s", config.host,
-                 config.port,
-                 MODE_LABEL[config.mode],
-                 list(config.encode), list(config.pd), list(config.prefill), list(config.decode),
+        log.info("proxy on http://%s:%d mode=%s encode=%s prefill_decode=%s prefill=%s "
+                 "decode=%s rewrite=%s ec=%s skip_cached=%s overlap=%s auth=%s client=%s",
+                 config.host, config.port, MODE_LABEL[config.mode], list(config.encode),
+                 list(config.prefill_decode), list(config.prefill), list(config.decode),
                  config.metadata_rewrite, config.ec_protocol, config.should_look_up,
                  config.should_overlap,
                  "on" if config.api_key else "off", config.client)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -48,8 +49,9 @@ class ProxyConfig:
                                    "a request naming another model gets a 404")
     encode: tuple[str, ...] = knob((), "--encode", "base URL of an encoder (ec_producer) "
                                    "instance; repeat for replicas", metavar="URL")
-    pd: tuple[str, ...] = knob((), "--pd", "base URL of a prefill+decode instance; repeat for "
-                               "replicas", metavar="URL")
+    prefill_decode: tuple[str, ...] = knob((), "--prefill-decode", "base URL of a "
+                                           "prefill+decode instance; repeat for replicas",
+                                           metavar="URL")
     prefill: tuple[str, ...] = knob((), "--prefill", "base URL of a prefill (kv_producer) "
                                     "instance; repeat for replicas", metavar="URL")
     decode: tuple[str, ...] = knob((), "--decode", "base URL of a decode (kv_consumer) "
@@ -104,8 +106,8 @@ class ProxyConfig:
         "content, or mooncake: pick PD first and have E push into it (vLLM's "
         "ECMooncakeConnector, E|PD only)", choices=("shared", "mooncake"))
     ec_consumers: tuple[tuple[str, str], ...] = knob(
-        (), "--ec-consumer", "a --pd URL and its Mooncake control socket, e.g. "
-        "http://pd-0:8000=tcp://pd-0:14579; one per --pd", metavar="URL=ZMQ")
+        (), "--ec-consumer", "a --prefill-decode URL and its Mooncake control socket, e.g. "
+        "http://pd-0:8000=tcp://pd-0:14579; one per --prefill-decode", metavar="URL=ZMQ")
     client: Literal["aiohttp", "httpx"] = knob(
         "aiohttp", "--client", "upstream HTTP client (see benchmarks/proxy.py)",
         choices=("aiohttp", "httpx"))
@@ -115,10 +117,10 @@ class ProxyConfig:
             raise ValueError("at least one model name is needed")
         if bool(self.prefill) != bool(self.decode):
             raise ValueError("--prefill and --decode go together")
-        if self.pd and self.prefill:
-            raise ValueError("--pd cannot be combined with --prefill/--decode")
-        if not self.pd and not self.prefill:
-            raise ValueError("give --pd, or --prefill and --decode")
+        if self.prefill_decode and self.prefill:
+            raise ValueError("--prefill-decode cannot be combined with --prefill/--decode")
+        if not self.prefill_decode and not self.prefill:
+            raise ValueError("give --prefill-decode, or --prefill and --decode")
         if self.ec_protocol not in ("shared", "mooncake"):
             raise ValueError(f"unknown EC protocol `{self.ec_protocol}`")
         if bool(self.store_dir) != bool(self.namespace):
@@ -131,15 +133,17 @@ class ProxyConfig:
     def _check_mooncake(self) -> None:
         # vLLM's Mooncake consumer routing covers E+PD only (its example proxy refuses P|D).
         if self.is_split:
-            raise ValueError("--ec-protocol mooncake supports --pd only, not --prefill/--decode")
-        known = {url.rstrip("/") for url in self.pd}
+            raise ValueError("--ec-protocol mooncake supports --prefill-decode only, not "
+                             "--prefill/--decode")
+        known = {url.rstrip("/") for url in self.prefill_decode}
         given = [url.rstrip("/") for url, _ in self.ec_consumers]
         for url in given:
             if url not in known:
-                raise ValueError(f"--ec-consumer {url}: not one of the --pd URLs")
+                raise ValueError(f"--ec-consumer {url}: not one of the --prefill-decode URLs")
         missing = sorted(known - set(given))
         if missing:
-            raise ValueError(f"--ec-protocol mooncake: --pd {missing[0]} needs an --ec-consumer")
+            raise ValueError(f"--ec-protocol mooncake: --prefill-decode {missing[0]} needs an "
+                             "--ec-consumer")
         for url, address in self.ec_consumers:
             if not address.startswith("tcp://"):
                 raise ValueError(f"--ec-consumer {url}: `{address}` is not tcp://host:port")
@@ -173,12 +177,8 @@ class ProxyConfig:
 
     @property
     def final_role(self) -> str:
-        """The pool whose instances give the client its answer: decode, or PD."""
-        return "decode" if self.is_split else "pd"
-
-    @property
-    def final_stage(self) -> str:
-        """That stage's name in errors and metrics."""
+        """The role whose instances give the client its answer, decode or prefill_decode:
+        the name of its pool, and of its stage in errors and metrics."""
         return "decode" if self.is_split else "prefill_decode"
 
     @property
@@ -227,8 +227,9 @@ def defaults() -> dict[str, Any]:
 def _parser(prog: str, description: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="E|PD: --encode URL... --pd URL...   E|P|D: --encode URL... --prefill URL... "
-               "--decode URL...   Aggregated: --pd URL...   The API key comes from "
+        epilog="E|PD: --encode URL... --prefill-decode URL...   E|P|D: --encode URL... "
+               "--prefill URL... --decode URL...   Aggregated: --prefill-decode URL...   "
+               "The API key comes from "
                f"${API_KEY_ENV}.",
     )
     for f in dataclasses.fields(ProxyConfig):
@@ -248,6 +249,9 @@ def _parser(prog: str, description: str | None) -> argparse.ArgumentParser:
                            required=f.name == "models", **kwargs)
         else:
             p.add_argument(flag, type=type(f.default), default=f.default, **kwargs)
+    # The flag's old name (deprecated, hidden): old command lines still start the proxy.
+    p.add_argument("--pd", dest="prefill_decode", action="append", default=None,
+                   metavar="URL", help=argparse.SUPPRESS)
     # Kept for people who pass it by hand; $EPDCTL_PROXY_API_KEY keeps it off `ps`.
     p.add_argument("--api-key", dest="api_key", default=argparse.SUPPRESS,
                    help=f"bearer token every route but /health requires; better given as "
@@ -260,6 +264,8 @@ def parse_argv(argv: Sequence[str] | None = None, *, prog: str = "python -m epdc
     """The config that argv (as `to_argv` writes it) and the environment describe."""
     p = _parser(prog, description)
     values = vars(p.parse_args(argv))
+    if any(a == "--pd" or a.startswith("--pd=") for a in (sys.argv[1:] if argv is None else argv)):
+        print(f"{prog}: --pd is deprecated; use --prefill-decode", file=sys.stderr)
     pairs = []
     for pair in values.get("ec_consumers") or ():
         url, sep, address = pair.rpartition("=")  # a control address has no `=`

@@ -100,7 +100,7 @@ class Generator:
         self.metrics = metrics
         self.prefill_pool: Pool | None = upstreams.pools.get("prefill")
         self.decode_pool = upstreams.pools[config.final_role]
-        self.decode_stage = config.final_stage
+        self.decode_stage = config.final_role
         self.decode_read_s = config.final_read_s
 
     async def run(self, route: str, first: dict[str, Any] | bytes,

@@ -55,7 +55,7 @@ class Passthrough:
         self.client = client
         self.metrics = metrics
         self.pool = upstreams.pools[config.final_role]
-        self.stage = config.final_stage
+        self.stage = config.final_role
         self.read_s = config.final_read_s
 
     async def run(self, scope: Mapping[str, Any], raw: bytes, trace: Trace) -> Answer:

@@ -78,12 +78,12 @@ class Upstreams:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.eject_after = config.eject_after
-        roles = {"encode": config.encode, "pd": config.pd, "prefill": config.prefill,
-                 "decode": config.decode}
+        roles = {"encode": config.encode, "prefill_decode": config.prefill_decode,
+                 "prefill": config.prefill, "decode": config.decode}
         self.pools = {role: Pool(role, [Instance(u.rstrip("/"), role) for u in urls])
                       for role, urls in roles.items() if urls}
         # Encoders are optional: without one, PD encodes the media itself.
-        self.required = [r for r in ("pd", "prefill", "decode") if r in self.pools]
+        self.required = [r for r in ("prefill_decode", "prefill", "decode") if r in self.pools]
 
     def record_probe(self, inst: Instance, is_ok: bool) -> None:
         """Eject after `eject_after` consecutive failures; one success re-admits."""

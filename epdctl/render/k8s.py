@@ -193,7 +193,7 @@ def _proxy_argv(topology: Topology, instances: Sequence[LaunchSpec], roles: list
     """The proxy's command in its pod: the local config with pod URLs, on every interface."""
     local = proxy_config(topology, instances)
     moved: dict[str, Any] = {role: tuple(urls[u] for u in getattr(local, role))
-             for role in ("encode", "pd", "prefill", "decode")}
+                             for role in ROLE_NAMES}
     # The local plan's Mooncake consumers (cache.connector) are local sockets: the cluster's
     # EC protocol follows --ec-connector alone.
     ec: dict[str, Any] = {"ec_protocol": "shared", "ec_consumers": (),

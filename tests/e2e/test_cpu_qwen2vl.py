@@ -68,7 +68,7 @@ def plain_proxy(qwen: tuple[TopologyRun, Server]) -> Iterator[str]:
     log = open(run.run_dir / "logs" / "plain-proxy.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
-         "--encode", specs["encode-0"].url, "--pd", specs["pd-0"].url,
+         "--encode", specs["encode-0"].url, "--prefill-decode", specs["pd-0"].url,
          "--no-metadata-rewrite"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )

@@ -27,7 +27,7 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
         fakes = fakes or Fakes()
         kwargs.setdefault("models", (MODEL,))
         if not kwargs.get("prefill"):
-            kwargs.setdefault("pd", ("http://pd0",))
+            kwargs.setdefault("prefill_decode", ("http://pd0",))
         config = ProxyConfig(**kwargs)
         upstream = httpx.AsyncClient(transport=httpx.MockTransport(fakes.handle))
         app = create_app(config, upstream)

@@ -116,7 +116,7 @@ async def test_health_says_which_instances_are_out(rig_factory):
     rig.fakes.down.add("pd0")
     await rig.proxy.upstreams.probe_all(lambda url: rig.proxy.client.probe(url, 1.0))
     r = await rig.client.get("/health")
-    assert r.status_code == 503 and r.json()["roles"]["pd"]["out"] == ["http://pd0"]
+    assert r.status_code == 503 and r.json()["roles"]["prefill_decode"]["out"] == ["http://pd0"]
     metrics = (await rig.client.get("/metrics")).text
     assert 'epdctl_proxy_instance_up{role="encode",url="http://e1"} 0.0' in metrics
     rig.fakes.down.clear()
@@ -125,7 +125,7 @@ async def test_health_says_which_instances_are_out(rig_factory):
 
 
 async def test_ejected_instance_gets_no_requests_while_a_healthy_one_exists(rig_factory):
-    rig = rig_factory(pd=("http://pd0", "http://pd1"), eject_after=2)
+    rig = rig_factory(prefill_decode=("http://pd0", "http://pd1"), eject_after=2)
     rig.fakes.down.add("pd1")
     for _ in range(2):
         await rig.proxy.upstreams.probe_all(lambda url: rig.proxy.client.probe(url, 1.0))

@@ -26,7 +26,7 @@ async def slow(seen):
 
 
 async def test_upstream_4xx_passes_through_unchanged_and_is_not_retried(rig_factory):
-    rig = rig_factory(pd=("http://pd0", "http://pd1"))
+    rig = rig_factory(prefill_decode=("http://pd0", "http://pd1"))
     raw = b'{"object":"error","message":"max_tokens too large","code":400}'
     for name in ("pd0", "pd1"):
         rig.fakes.then(name, lambda seen: httpx.Response(400, content=raw))
@@ -38,7 +38,7 @@ async def test_upstream_4xx_passes_through_unchanged_and_is_not_retried(rig_fact
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_5xx_answer_passes_through_unchanged_and_is_not_retried(rig_factory, stream):
-    rig = rig_factory(pd=("http://pd0", "http://pd1"))
+    rig = rig_factory(prefill_decode=("http://pd0", "http://pd1"))
     bad = b'{"error":{"message":"boom","type":"InternalServerError","code":500}}'
     for name in ("pd0", "pd1"):
         rig.fakes.then(name, lambda seen: httpx.Response(500, content=bad))
@@ -51,8 +51,8 @@ async def test_a_5xx_answer_passes_through_unchanged_and_is_not_retried(rig_fact
 
 
 async def test_no_answer_at_all_is_retried_once_on_another_instance(rig_factory):
-    rig = rig_factory(pd=("http://pd0", "http://pd1"))
-    first = rig.proxy.upstreams.pools["pd"].pick()  # the next pick is the other one
+    rig = rig_factory(prefill_decode=("http://pd0", "http://pd1"))
+    first = rig.proxy.upstreams.pools["prefill_decode"].pick()  # the next pick is the other one
     rig.fakes.down.add("pd1" if first.url.endswith("pd0") else "pd0")
     r = await rig.chat("hi", stream=True)
     assert (r.status_code, r.content) == (200, STREAM)
@@ -88,7 +88,7 @@ async def test_an_answer_broken_before_its_end_is_502_and_not_retried(rig_factor
             yield b'{"id": "x", "choi'
             raise httpx.ReadError("connection reset by peer")
 
-    rig = rig_factory(pd=("http://pd0", "http://pd1"))
+    rig = rig_factory(prefill_decode=("http://pd0", "http://pd1"))
     for name in ("pd0", "pd1"):
         rig.fakes.then(name, lambda seen: httpx.Response(200, stream=Broken()))
     r = await rig.chat("hi")
@@ -106,7 +106,7 @@ async def test_decode_timeout_is_504(rig_factory, stream):
     assert (err["code"], err["type"]) == (504, "Gateway Timeout")
     assert "prefill_decode" in err["message"]
     assert len(rig.fakes.posts("pd0")) == 1  # a timeout is not retried
-    assert rig.proxy.upstreams.pools["pd"].instances[0].outstanding == 0
+    assert rig.proxy.upstreams.pools["prefill_decode"].instances[0].outstanding == 0
 
 
 async def test_prefill_failures(rig_factory):
@@ -150,7 +150,7 @@ async def test_stream_stall_after_commit_ends_with_an_error_event(rig_factory):
     assert r.status_code == 200
     assert r.content.startswith(sse(chat_chunk("Hi")))
     assert b'"type": "Bad Gateway"' in r.content and b"no data in 0.2s" in r.content
-    assert rig.proxy.upstreams.pools["pd"].instances[0].outstanding == 0
+    assert rig.proxy.upstreams.pools["prefill_decode"].instances[0].outstanding == 0
 
 
 async def test_stream_broken_mid_way_ends_with_an_error_event(rig_factory):

@@ -48,7 +48,7 @@ def _rig(rig_factory, fakes: Fakes, *, encoders: int = 1, replies: int = 8, **kw
     for n in range(encoders):
         fakes.then(f"e{n}", *([producer_reply] * replies))
     encode = tuple(f"http://e{n}" for n in range(encoders))
-    return rig_factory(fakes, encode=encode, pd=("http://pd0", "http://pd1"),
+    return rig_factory(fakes, encode=encode, prefill_decode=("http://pd0", "http://pd1"),
                        **{**MOONCAKE, **kwargs})
 
 
@@ -115,11 +115,12 @@ async def test_responses_images_are_pushed_to_the_chosen_pd_too(rig_factory):
 
 async def test_the_chosen_pd_counts_the_request_while_e_runs(rig_factory):
     fakes = Fakes()
-    rig = rig_factory(fakes, encode=("http://e0",), pd=("http://pd0", "http://pd1"), **MOONCAKE)
+    rig = rig_factory(fakes, encode=("http://e0",), prefill_decode=("http://pd0", "http://pd1"),
+                      **MOONCAKE)
     seen_load = []
 
     def reply(seen):
-        pools = rig.proxy.upstreams.pools["pd"].instances
+        pools = rig.proxy.upstreams.pools["prefill_decode"].instances
         seen_load.append({i.url.removeprefix("http://"): i.outstanding for i in pools})
         return producer_reply(seen)
 
@@ -152,7 +153,7 @@ async def test_ids_are_unique_per_item_and_shared_by_repeats_of_one_item(rig_fac
 async def test_metadata_rewrite_sends_embeds_with_the_transfer_ids(rig_factory):
     fakes = Fakes()
     fakes.then("e0", lambda seen: producer_reply(seen, {"image_grid_thw": [[1, 4, 4]]}))
-    rig = rig_factory(fakes, encode=("http://e0",), pd=("http://pd0", "http://pd1"),
+    rig = rig_factory(fakes, encode=("http://e0",), prefill_decode=("http://pd0", "http://pd1"),
                       **MOONCAKE)
     r = await rig.chat([image_part()], mm_processor_kwargs={"a": 1})
     assert r.status_code == 200
@@ -167,7 +168,7 @@ async def test_metadata_rewrite_sends_embeds_with_the_transfer_ids(rig_factory):
 async def test_without_a_key_from_e_the_entry_is_matched_by_position(rig_factory):
     fakes = Fakes()  # the default E answer: no transfer-aware params at all
     fakes.then("e0", lambda seen: httpx.Response(200, json={"id": "e", "choices": []}))
-    rig = rig_factory(fakes, encode=("http://e0",), pd=("http://pd0", "http://pd1"),
+    rig = rig_factory(fakes, encode=("http://e0",), prefill_decode=("http://pd0", "http://pd1"),
                       **MOONCAKE)
     assert (await rig.chat([image_part()])).status_code == 200
     [(_, tid)] = _pushes(fakes)
@@ -191,7 +192,7 @@ async def test_pd_500_retries_on_another_pd_and_re_encodes_for_it(rig_factory):
     fakes = Fakes()
     fakes.then("pd0", fail(500))
     rig = _rig(rig_factory, fakes, metadata_rewrite=False)
-    pd0, pd1 = rig.proxy.upstreams.pools["pd"].instances
+    pd0, pd1 = rig.proxy.upstreams.pools["prefill_decode"].instances
     pd1.outstanding = 5  # least outstanding picks pd0 first, and again unless it is avoided
     r = await rig.chat([image_part()])
     assert r.status_code == 200
@@ -212,7 +213,7 @@ async def test_rewritten_request_failing_is_resent_as_media_pushed_again(rig_fac
     for pd in ("pd0", "pd1"):
         fakes.then(pd, fail(400))
     fakes.then("e0", *[lambda seen: producer_reply(seen, GRID)] * 2)
-    rig = rig_factory(fakes, encode=("http://e0",), pd=("http://pd0", "http://pd1"),
+    rig = rig_factory(fakes, encode=("http://e0",), prefill_decode=("http://pd0", "http://pd1"),
                       **MOONCAKE)
     r = await rig.chat([image_part()])
     assert r.status_code == 400  # the second PD's answer, passed through
@@ -246,8 +247,8 @@ async def test_stream_error_before_content_retries_with_a_fresh_push(rig_factory
 async def test_encoder_failure_fails_fast_instead_of_sending_raw_media(rig_factory):
     fakes = Fakes()
     fakes.down.update({"e0", "e1"})
-    rig = rig_factory(fakes, encode=("http://e0", "http://e1"), pd=("http://pd0", "http://pd1"),
-                      **MOONCAKE)
+    rig = rig_factory(fakes, encode=("http://e0", "http://e1"),
+                      prefill_decode=("http://pd0", "http://pd1"), **MOONCAKE)
     r = await rig.chat([image_part()])
     assert r.status_code == 502
     assert (r.json()["error"]["code"], r.json()["error"]["type"]) == (502, "Bad Gateway")
@@ -255,7 +256,7 @@ async def test_encoder_failure_fails_fast_instead_of_sending_raw_media(rig_facto
     assert len(fakes.posts("e")) == 2 and fakes.posts("pd") == []
     metrics = (await rig.client.get("/metrics")).text
     assert 'reason="encoder"' not in metrics  # nothing fell back
-    assert all(i.outstanding == 0 for i in rig.proxy.upstreams.pools["pd"].instances)
+    assert all(i.outstanding == 0 for i in rig.proxy.upstreams.pools["prefill_decode"].instances)
 
 
 async def test_ejected_encoders_are_still_tried(rig_factory):
@@ -296,30 +297,31 @@ async def test_shared_protocol_sends_no_transfer_params(rig_factory):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"pd": (), "prefill": ("http://p0",), "decode": ("http://d0",)},
-     "supports --pd only"),
-    ({"ec_consumers": (("http://pd0", "tcp://a:1"),)}, "--pd http://pd1 needs an --ec-consumer"),
+    ({"prefill_decode": (), "prefill": ("http://p0",), "decode": ("http://d0",)},
+     "supports --prefill-decode only"),
+    ({"ec_consumers": (("http://pd0", "tcp://a:1"),)},
+     "--prefill-decode http://pd1 needs an --ec-consumer"),
     ({"ec_consumers": (*MOONCAKE["ec_consumers"], ("http://x", "tcp://x:1"))},
-     "--ec-consumer http://x: not one of the --pd URLs"),
+     "--ec-consumer http://x: not one of the --prefill-decode URLs"),
     ({"ec_consumers": (("http://pd0", "pd0:1"), ("http://pd1", "tcp://b:1"))},
      "is not tcp://host:port"),
     ({"ec_protocol": "shared"}, "--ec-consumer needs --ec-protocol mooncake"),
 ])
 def test_config_is_checked(change, message):
-    kwargs = {"models": (MODEL,), "encode": ("http://e0",), "pd": ("http://pd0", "http://pd1"),
-              **MOONCAKE, **change}
+    kwargs = {"models": (MODEL,), "encode": ("http://e0",),
+              "prefill_decode": ("http://pd0", "http://pd1"), **MOONCAKE, **change}
     with pytest.raises(ValueError, match=message.replace("|", r"\|")):
         ProxyConfig(**kwargs)
 
 
 def test_cli_pairs_each_pd_url_with_its_control_socket(capsys):
     config = parse_args([
-        "--model", MODEL, "--encode", "http://e0", "--pd", "http://pd-0.pd:8000",
+        "--model", MODEL, "--encode", "http://e0", "--prefill-decode", "http://pd-0.pd:8000",
         "--ec-protocol", "mooncake", "--ec-consumer", "http://pd-0.pd:8000=tcp://pd-0.pd:14579"])
     assert config.ec_protocol == "mooncake"
     assert config.consumer_zmq("http://pd-0.pd:8000") == "tcp://pd-0.pd:14579"
-    assert parse_args(["--model", MODEL, "--pd", "http://p"]).ec_protocol == "shared"
+    assert parse_args(["--model", MODEL, "--prefill-decode", "http://p"]).ec_protocol == "shared"
     with pytest.raises(SystemExit):
-        parse_args(["--model", MODEL, "--pd", "http://p", "--ec-protocol", "mooncake",
+        parse_args(["--model", MODEL, "--prefill-decode", "http://p", "--ec-protocol", "mooncake",
                     "--ec-consumer", "tcp://p:1"])
     assert "expected URL=tcp://host:port" in capsys.readouterr().err

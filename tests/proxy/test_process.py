@@ -89,13 +89,14 @@ def _free_port() -> int:
 
 @pytest.fixture(params=["aiohttp", "httpx"])
 def proxy(request, tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    enc, pd = _serve("encode"), _serve("pd")
+    enc, pd = _serve("encode"), _serve("prefill_decode")
     _Upstream.seen = []
     port = _free_port()
     log = tmp_path / "proxy.log"
     argv = [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
             "--encode", f"http://127.0.0.1:{enc.server_port}",
-            "--pd", f"http://127.0.0.1:{pd.server_port}", "--pd", f"http://127.0.0.1:{_free_port()}",
+            "--prefill-decode", f"http://127.0.0.1:{pd.server_port}",
+            "--prefill-decode", f"http://127.0.0.1:{_free_port()}",
             "--encode-timeout", "5", "--decode-timeout", "1", "--client", request.param,
             "--health-interval", "0.2", "--eject-after", "1"]
     with log.open("wb") as out:
@@ -107,7 +108,7 @@ def proxy(request, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         deadline = time.time() + 20
         while True:
             try:
-                if httpx.get(base + "/health").json()["roles"]["pd"]["out"]:
+                if httpx.get(base + "/health").json()["roles"]["prefill_decode"]["out"]:
                     break  # up, and the dead PD instance has been ejected
             except httpx.HTTPError:
                 pass
@@ -140,7 +141,7 @@ def test_openai_client_through_the_proxy_process(proxy):
         assert r.read() == STREAM
     roles = [(role, headers.get("X-Request-Id") or headers.get("x-request-id"))
              for role, headers, _ in _Upstream.seen]
-    assert roles[:2] == [("encode", "p-1:enc0"), ("pd", "p-1")]
+    assert roles[:2] == [("encode", "p-1:enc0"), ("prefill_decode", "p-1")]
     pd_body = _Upstream.seen[1][2]
     assert pd_body["messages"][0]["content"][1]["type"] == "image_embeds"
     with pytest.raises(openai.AuthenticationError):
@@ -171,7 +172,7 @@ def test_process_maps_a_dead_instance_to_502(tmp_path, has_speedups):
     start = ["-m", "epdctl.proxy"] if has_speedups else ["-c", WITHOUT_SPEEDUPS]
     proc = subprocess.Popen(
         [sys.executable, *start, "--port", str(port), "--model", MODEL,
-         "--pd", f"http://127.0.0.1:{dead}"], stdout=subprocess.DEVNULL,
+         "--prefill-decode", f"http://127.0.0.1:{dead}"], stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 20

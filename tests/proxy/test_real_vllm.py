@@ -38,7 +38,7 @@ def stack(
         with log.open("wb") as out:
             proxy = subprocess.Popen(
                 [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", str(model),
-                 "--encode", servers.encoder.url, "--pd", servers.pd.url],
+                 "--encode", servers.encoder.url, "--prefill-decode", servers.pd.url],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -60,7 +60,7 @@ async def through_aiohttp() -> AsyncIterator[tuple[httpx.AsyncClient, Uvicornish
     upstream = Uvicornish()
     server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    config = ProxyConfig(models=(MODEL,), pd=(f"http://127.0.0.1:{port}",))
+    config = ProxyConfig(models=(MODEL,), prefill_decode=(f"http://127.0.0.1:{port}",))
     async with session(5.0, 10.0, 2.0) as client_session:
         app = create_app(config, client_session)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),

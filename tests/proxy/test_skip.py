@@ -259,7 +259,7 @@ async def test_repeats_go_to_the_same_encoder(rig_factory, store):
 def test_the_store_flags_go_together_and_only_the_shared_protocol_looks(capsys):
     from epdctl.proxy.__main__ import parse_args
 
-    base = ["--model", MODEL, "--pd", "http://p", "--encode", "http://e"]
+    base = ["--model", MODEL, "--prefill-decode", "http://p", "--encode", "http://e"]
     with pytest.raises(SystemExit):
         parse_args([*base, "--store-dir", "/dev/shm/epdctl"])
     assert "--store-dir and --namespace go together" in capsys.readouterr().err

@@ -131,5 +131,5 @@ async def test_disconnect_mid_stream_closes_the_upstream_stream(rig_factory):
     assert closed.is_set()
     assert client.sent[0]["status"] == 200
     assert not any(m.get("more_body") is False for m in client.sent[1:])
-    assert rig.proxy.upstreams.pools["pd"].instances[0].outstanding == 0
+    assert rig.proxy.upstreams.pools["prefill_decode"].instances[0].outstanding == 0
     assert rig.proxy.inflight == 0

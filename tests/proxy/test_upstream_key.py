@@ -17,7 +17,7 @@ KEY = "int3rnal"
 @pytest.mark.parametrize("split", [False, True], ids=["e-pd", "e-p-d"])
 async def test_every_sub_request_carries_the_internal_key(rig_factory, split: bool) -> None:
     roles = ({"prefill": ("http://p0",), "decode": ("http://d0",)} if split else
-             {"pd": ("http://pd0",)})
+             {"prefill_decode": ("http://pd0",)})
     rig = rig_factory(encode=("http://e0",), upstream_api_key=KEY, api_key="outside", **roles)
     reply = await rig.client.post(
         "/v1/chat/completions", headers={"authorization": "Bearer outside"},
@@ -48,7 +48,7 @@ async def test_a_media_fetch_never_carries_the_key() -> None:
 
 def test_the_internal_key_is_read_from_the_environment_only(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    config = ProxyConfig(models=(MODEL,), pd=("http://pd0",), upstream_api_key=KEY)
+    config = ProxyConfig(models=(MODEL,), prefill_decode=("http://pd0",), upstream_api_key=KEY)
     assert KEY not in " ".join(config.to_argv())
     assert config.env() == {UPSTREAM_KEY_ENV: KEY}
     monkeypatch.setenv(UPSTREAM_KEY_ENV, KEY)

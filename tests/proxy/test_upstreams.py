@@ -11,7 +11,7 @@ pytestmark = pytest.mark.anyio
 
 
 def pools(**kwargs) -> Upstreams:
-    kwargs.setdefault("pd", ("http://pd0",))
+    kwargs.setdefault("prefill_decode", ("http://pd0",))
     return Upstreams(ProxyConfig(models=("m",), **kwargs))
 
 
@@ -36,7 +36,7 @@ def test_pick_avoids_the_failed_instance_when_another_exists():
     e0, e1 = pool.instances
     e1.outstanding = 10
     assert pool.pick(avoid=e0) is e1
-    single = pools().pools["pd"]
+    single = pools().pools["prefill_decode"]
     assert single.pick(avoid=single.instances[0]) is single.instances[0]
 
 
@@ -85,7 +85,7 @@ def test_report_encoders_are_optional_but_pd_is_required():
         ups.record_probe(ups.pools["encode"].instances[0], False)
     ok, report = ups.report()
     assert ok and report["status"] == "degraded"
-    ups2 = pools(prefill=("http://p0",), decode=("http://d0",), pd=())
+    ups2 = pools(prefill=("http://p0",), decode=("http://d0",), prefill_decode=())
     assert ups2.required == ["prefill", "decode"]
     for _ in range(3):
         ups2.record_probe(ups2.pools["decode"].instances[0], False)

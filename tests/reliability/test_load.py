@@ -126,7 +126,7 @@ def evicting_proxy(run: TopologyRun, entries: Path) -> Iterator[tuple[str, list[
     proc = subprocess.Popen(
         [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
          "--encode", f"http://127.0.0.1:{shim.server_address[1]}",
-         "--pd", f"http://127.0.0.1:{specs['pd-0'].port}"],
+         "--prefill-decode", f"http://127.0.0.1:{specs['pd-0'].port}"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

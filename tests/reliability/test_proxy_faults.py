@@ -113,7 +113,8 @@ def test_a_dead_pd_replica_leaves_the_others_serving(bring_up, fake_topology) ->
                             stream=stream)
     health = wait_for(lambda: (h := run.health())["status"] == "degraded" and h, 20)
     assert health, run.health()
-    assert health["roles"]["pd"] == {"in": [run.urls["pd-0"]], "out": [run.urls["pd-1"]]}
+    assert health["roles"]["prefill_decode"] == {"in": [run.urls["pd-0"]],
+                                                 "out": [run.urls["pd-1"]]}
     status = run.status()
     states = {i["name"]: i["state"] for i in status["instances"]}
     assert states["pd-1"] in ("backoff", "exited") and states["pd-0"] == "ready"

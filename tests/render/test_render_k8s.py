@@ -201,8 +201,9 @@ def test_mooncake_consumers_and_the_proxy_flags_that_name_their_control_sockets(
     pairs = [argv[i + 1] for i, a in enumerate(argv) if a == "--ec-consumer"]
     assert pairs == ["http://vl-pd-0.vl-pd:8000=tcp://vl-pd-0.vl-pd:14579",
                      "http://vl-pd-1.vl-pd:8000=tcp://vl-pd-1.vl-pd:14579"]
-    # The pairs name exactly the --pd URLs the proxy routes to: it refuses to start otherwise.
-    pd_urls = [argv[i + 1] for i, a in enumerate(argv) if a == "--pd"]
+    # The pairs name exactly the --prefill-decode URLs the proxy routes to: it refuses to
+    # start otherwise.
+    pd_urls = [argv[i + 1] for i, a in enumerate(argv) if a == "--prefill-decode"]
     assert [p.split("=", 1)[0] for p in pairs] == pd_urls
     from epdctl.proxy.__main__ import parse_args
 

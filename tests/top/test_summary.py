@@ -175,4 +175,4 @@ def _upstreams():
     from epdctl.proxy.config import ProxyConfig
     from epdctl.proxy.upstreams import Upstreams
 
-    return Upstreams(ProxyConfig(models=("m",), encode=("http://e",), pd=("http://p",)))
+    return Upstreams(ProxyConfig(models=("m",), encode=("http://e",), prefill_decode=("http://p",)))

@@ -1,0 +1,51 @@
+"""The prefill+decode role's flag: --prefill-decode, with the old --pd still read."""
+
+from __future__ import annotations
+
+import pytest
+
+from epdctl.proxy.config import ProxyConfig, parse_argv
+
+
+def test_the_old_pd_flag_is_read_as_prefill_decode_and_never_written(capsys):
+    config = parse_argv(["--model", "m", "--pd", "http://a", "--prefill-decode", "http://b"])
+    assert config.prefill_decode == ("http://a", "http://b")
+    assert "--pd is deprecated; use --prefill-decode" in capsys.readouterr().err
+    argv = config.to_argv()
+    assert "--pd" not in argv and argv.count("--prefill-decode") == 2
+    assert parse_argv(argv) == config
+    assert capsys.readouterr().err == ""  # the new flag alone: no warning
+
+
+def test_help_names_only_the_new_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_argv(["--help"])
+    out = capsys.readouterr().out
+    assert "--prefill-decode URL" in out and "--pd " not in out
+
+
+def test_without_a_final_stage_the_error_names_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        parse_argv(["--model", "m"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: give --prefill-decode, or --prefill and --decode")
+
+
+@pytest.mark.parametrize(("kwargs", "role"), [
+    ({"prefill_decode": ("http://pd0",)}, "prefill_decode"),
+    ({"prefill": ("http://p0",), "decode": ("http://d0",)}, "decode"),
+])
+def test_the_final_role_is_a_pool_name(kwargs, role):
+    from epdctl.proxy.upstreams import Upstreams
+
+    config = ProxyConfig(models=("m",), **kwargs)
+    assert config.final_role == role and role in Upstreams(config).pools
+
+
+def test_every_role_is_a_proxyconfig_field():
+    """The plan hands each role's instance URLs to the ProxyConfig field of the role's name."""
+    import dataclasses
+
+    from epdctl.topology import ROLE_NAMES
+
+    assert set(ROLE_NAMES) <= {f.name for f in dataclasses.fields(ProxyConfig)}
