@@ -1,9 +1,11 @@
-"""`pip install epdctl` alone (the wheel, no vLLM) runs the CLI, the proxy and benchmarks/proxy.py.
+"""`pip install epdctl` alone (the wheel, no vLLM) runs the CLI, the proxy, `render` and
+benchmarks/proxy.py.
 
 Builds the wheel (hatchling from PyPI, through pip's cache), installs it into a fresh venv
 (not editable, nothing of this checkout on the path), brings up an E|PD topology whose
 engines are tests/fake_server.py with the venv's own `epdctl`: the real proxy serves a
-request, and `down` leaves no process.
+request, and `down` leaves no process; `render k8s` of a shipped GPU topology writes its
+manifests.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.conftest import FAKE_SERVER, free_ports, is_running
 
@@ -100,3 +103,19 @@ def test_benchmarks_proxy_runs(venv: Path, tmp_path: Path) -> None:
     out = _run(venv / "bin" / "python", REPO / "benchmarks" / "proxy.py", "--seconds", "0.3",
                "--levels", "1", cwd=tmp_path, timeout_s=120).stdout
     assert out.splitlines()[-1].startswith("added_p50_ms="), out
+
+
+def test_render_k8s_of_a_shipped_gpu_topology(venv: Path, tmp_path: Path) -> None:
+    """No GPU, no vLLM and no model here: the manifests on stdout, the notes on stderr."""
+    result = _run(venv / "bin" / "epdctl", "render", "k8s",
+                  REPO / "topologies" / "qwen2_5-vl-1e1pd.yaml", cwd=tmp_path, timeout_s=120)
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d is not None]
+    assert all(isinstance(d, dict) and d["apiVersion"] and d["metadata"]["name"]
+               for d in docs), docs
+    assert sorted(d["kind"] for d in docs) == [
+        "ConfigMap", "Deployment", "Service", "Service", "Service", "StatefulSet",
+        "StatefulSet"]
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "StatefulSet"]
+    assert all(c["resources"]["limits"]["nvidia.com/gpu"] for p in pods
+               for c in p["containers"])
+    assert "note: " in result.stderr and "note: " not in result.stdout

@@ -171,10 +171,11 @@ def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_d
 
 
 def _clock(seconds: float | None) -> str:
+    """Whole seconds, as a stopwatch counts them (59.7 s is `59s`, then `1m00s`)."""
     if seconds is None:
         return "?"
     minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.0f}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def _env(arm: Arm, state: RunState) -> dict[str, str]:

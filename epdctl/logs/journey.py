@@ -21,6 +21,8 @@ from epdctl.logs.times import own_time
 
 API_PREFIXES = ("chatcmpl-", "cmpl-")
 CHILD = re.compile(r":(?:enc\d+|prefill|decode)(?:-[0-9a-f]{8})?$")
+ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+"""What vLLM's engine adds to the id it was given (`chatcmpl-<rid>-1a2b3c4d`)."""
 LOOK_BACK_LINES = 500
 """How far back a line without a time of its own looks for one."""
 
@@ -40,17 +42,29 @@ def candidates(given: str) -> list[str]:
     forms = []
     for prefix in API_PREFIXES:
         if rid.startswith(prefix):
-            forms.append(CHILD.sub("", rid[len(prefix):]))
+            bare = rid[len(prefix):]
+            parent = CHILD.sub("", bare)
+            if parent != bare:  # a sub-request's id
+                forms.append(parent)
+            else:  # the response id, or the engine's for it (a client's rid may end so too)
+                forms += [ENGINE_SUFFIX.sub("", bare), bare]
             break
     forms += [CHILD.sub("", rid), rid]
     return list(dict.fromkeys(f for f in forms if f))
 
 
+_BEFORE = rb"(?:^|(?<=[\s=\"'(\[])|(?<=chatcmpl-)|(?<=cmpl-))"
+_END = rb"(?:$|[\s,;\"')\]]|[.:](?:$|\s))"
+"""Where an id ends: a space, a separator, or a full stop / colon that ends a phrase."""
+_AFTER = rb"(?=(?::(?:enc\d+|prefill|decode))?(?:-[0-9a-f]{8})?" + _END + rb")"
+"""The id whole, or with a sub-request's `:enc0` and/or the engine's `-1a2b3c4d` after it."""
+
+
 def naming(rid: str) -> re.Pattern[bytes]:
-    """Lines that name rid as a whole id: `rid=X `, `chatcmpl-X:decode-1a2b3c4d`, `X.`"""
-    before = rb"(?:^|(?<=[\s=\"'(\[])|(?<=chatcmpl-)|(?<=cmpl-))"
-    after = rb"(?=$|[\s:.,;\"')\]]|-[0-9a-f]{8}\b)"
-    return re.compile(before + re.escape(rid.encode()) + after, re.M)
+    """Lines that name rid as a whole id: `rid=X `, `chatcmpl-X-1a2b3c4d.`, `X:enc0: params`.
+
+    Not `Xd`, `X-other`, `X.v2` or `X:7` (other requests' ids)."""
+    return re.compile(_BEFORE + re.escape(rid.encode()) + _AFTER, re.M)
 
 
 def find(files: Sequence[tuple[str, Path]], given: str, proxy: str = "proxy") -> Journey:

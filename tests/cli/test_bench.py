@@ -78,6 +78,45 @@ def test_both_arms_report_every_figure(bench: Bench, fake_topology: Callable[...
     nothing_runs(state_root)
 
 
+def test_an_arm_on_another_connector_reports_everything_but_store_figures(
+        bench: Bench, fake_topology: Callable[..., Path], state_root: Path,
+        tmp_path: Path) -> None:
+    """`--arm` with the same topology on vLLM's ECExampleConnector: every figure of both arms,
+    store figures only for epdctl's store (the example connector keeps no counters)."""
+    example = fake_topology("example", cache="connector: ECExampleConnector")
+    out = tmp_path / "out"
+    result = bench(str(fake_topology()), *SMALL, "--baseline", "none", "--arm", str(example),
+                   "--slo", "ttft=100", "--json", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [(a["name"], a["kind"], a["mode"]) for a in doc["arms"]] == [
+        ("epd", "epd", "e-pd"), ("example", "extra", "e-pd")]
+    assert [(r["arm"], r["load"]) for r in doc["results"]] == [
+        ("epd", "concurrency 1"), ("example", "concurrency 1"),
+        ("epd", "concurrency 2"), ("example", "concurrency 2")]
+    for row in doc["results"]:
+        assert row["figures"]["completed"] == 5 and row["figures"]["failed"] == 0
+        assert None not in row["figures"].values()
+        assert set(row["proxy"]) == set(doc["results"][0]["proxy"])
+        if row["arm"] == "example":
+            assert row["store"] is None and row["ratios"] is not None
+        else:
+            assert set(row["store"]) >= {"saves", "hits", "misses"}
+    assert [v["arm"] for v in doc["verdicts"]] == ["example", "example"]
+    assert doc["correctness"]["ok"] is True and set(doc["correctness"]["answers"]) == {
+        "epd", "example"}
+    table = (out / "report.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| load |"))
+    hits = header.strip("|").split(" | ").index("store hits")
+    rows = [line.strip("|").split(" | ") for line in table.splitlines()
+            if line.startswith("| concurrency ")]
+    assert [(r[1], r[hits] != "-") for r in rows] == [
+        ("epd", True), ("example", False), ("epd", True), ("example", False)]
+    state = json.loads((state_root / "example" / "last-run.json").read_text())
+    assert state["ec_connector"] == "ECExampleConnector"
+    nothing_runs(state_root)
+
+
 def test_the_table_on_the_terminal(bench: Bench, fake_topology: Callable[..., Path]) -> None:
     result = bench(str(fake_topology()), *SMALL)
     assert result.exit_code == 0, result.output

@@ -139,6 +139,35 @@ def test_request_journey(epdctl, past_run) -> None:
         missing.stderr)
 
 
+@pytest.mark.parametrize("given", ["chatcmpl-abc", "abc"])
+def test_request_journey_by_response_id_and_rid(epdctl, past_run, given: str) -> None:
+    """The final stage gets the client's rid as is: PD logs `chatcmpl-abc` (the response id)
+    and, inside the engine, `chatcmpl-abc-<8 hex>`; E gets `abc:enc0`."""
+    now = datetime.now().replace(microsecond=0)
+    proxy = (f"{now:%Y-%m-%d %H:%M:%S},500 INFO epdctl.proxy: rid=abc route=/v1/chat/"
+             "completions status=200 total_ms=12.5 encode_ms=4.0 decode_ms=8.0 items=1")
+    earlier = [now - timedelta(seconds=s) for s in (3, 2, 1)]
+    past_run({
+        "encode-0": [_vllm(earlier[0], "Received request chatcmpl-abc:enc0: p"),
+                     _vllm(earlier[0], "Added request chatcmpl-abc:enc0-8f9e7d6c."),
+                     _vllm(now, "Received request chatcmpl-abcd:enc0: p")],
+        "pd-0": [_vllm(earlier[1], "Received request chatcmpl-abc: p"),
+                 _vllm(earlier[2], "Added request chatcmpl-abc-01234567."),
+                 _vllm(now, "Received request chatcmpl-abcd: p"),
+                 _vllm(now, "Added request chatcmpl-abcd-01234567.")],
+        "proxy": [proxy]}, log_requests=True)
+    result = epdctl("logs", "--name", "demo", "--request", given)
+    assert result.exit_code == 0, result.stderr
+    rows = result.stdout.splitlines()
+    assert [(row.split(" | ")[0].split()[1], row.split("] ")[-1]) for row in rows[1:]] == [
+        ("encode-0", "Received request chatcmpl-abc:enc0: p"),
+        ("encode-0", "Added request chatcmpl-abc:enc0-8f9e7d6c."),
+        ("pd-0", "Received request chatcmpl-abc: p"),
+        ("pd-0", "Added request chatcmpl-abc-01234567.")]
+    assert rows[0].endswith(proxy) and "abcd" not in result.stdout
+    assert result.stderr == ""
+
+
 def test_request_journey_without_request_logging_says_how_to_turn_it_on(epdctl,
                                                                         past_run) -> None:
     now = datetime.now()

@@ -1,6 +1,6 @@
 """topologies/cpu-demo-example-connector.yaml for real: the LLaVA demo on vLLM's own
 ECExampleConnector answers as the aggregated baseline does, PD loads E's files, and `cache`,
-`verify`, `logs` and `down` work with it."""
+`verify`, `logs`, a supervisor's restart and `down` work with it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 
 from tests.e2e.topology_run import (
     TopologyRun,
@@ -19,6 +21,7 @@ from tests.e2e.topology_run import (
     wait_for,
     write_topology,
 )
+from tests.reliability.helpers import kill_group
 from tests.vllm_harness import Server, chat, image_data_url, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -34,6 +37,9 @@ def demo(
     tmp = tmp_path_factory.mktemp("cpu-demo-example")
     path, cache_dir = write_topology("cpu-demo-example-connector", tmp, tiny_llava,
                                      env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    data = yaml.safe_load(path.read_text())
+    data["restart"] = {"policy": "on-failure", "max_restarts": 1, "backoff": "1s"}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     with topology_with_baseline(path, cache_dir, tmp / "state", tiny_llava) as servers:
         yield servers
 
@@ -94,6 +100,47 @@ def test_verify_checks_es_files(demo: tuple[TopologyRun, Server]) -> None:
 
 def test_logs_show_every_instance(demo: tuple[TopologyRun, Server]) -> None:
     check_logs(demo[0], INSTANCES)
+
+
+def test_a_restarted_pd_loads_es_file_and_answers_as_before(
+        demo: tuple[TopologyRun, Server]) -> None:
+    """SIGKILL PD's process group: the supervisor starts it again (restart: on-failure), the
+    proxy takes it back, and the same image request gets the same answer, PD loading the
+    image from E's file."""
+    from epdctl.proxy.media import content_key
+
+    run, _ = demo
+    png = make_image(71)
+    key, url = content_key("image", png), image_data_url(png)
+    before = chat(run.proxy_url, MODEL, image_urls=[url], extra_body={"cache_salt": "restart"})
+    assert before
+    old = run.state().records["pd-0"].pid
+    restarts = _pd(run)["restarts"]
+    kill_group(old)
+    back = wait_for(lambda: (row := _pd(run))["state"] == "ready" and (
+        row["restarts"] == restarts + 1) and row, timeout_s=300, interval_s=1.0)
+    assert back and back["pid"] != old, _pd(run)
+    assert wait_for(lambda: _proxy_health(run) == "ok", timeout_s=60), _proxy_health(run)
+    pd_start = len(run.log("pd-0"))
+    after = chat(run.proxy_url, MODEL, image_urls=[url], extra_body={"cache_salt": "restart"})
+    assert after == before
+    loaded = f"Success load encoder cache for hash {key}"
+    assert wait_for(lambda: loaded in run.log("pd-0")[pd_start:]), run.log("pd-0")[-3000:]
+    assert {r["name"]: r["restarts"] for r in run.cli_json("status")["instances"]
+            if r["name"] != "pd-0"} == {"encode-0": 0, "proxy": 0}  # only what was killed
+
+
+def _pd(run: TopologyRun) -> dict:
+    """pd-0's row of `status --json` (which exits 1 while an instance is not ready)."""
+    doc = json.loads(run.cli("status", "--json").stdout)
+    return next(r for r in doc["instances"] if r["name"] == "pd-0")
+
+
+def _proxy_health(run: TopologyRun) -> str | None:
+    try:
+        return httpx.get(f"{run.proxy_url}/health", timeout=5).json().get("status")
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def test_down_removes_the_connectors_files(demo: tuple[TopologyRun, Server]) -> None:
