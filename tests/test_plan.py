@@ -2,54 +2,36 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from epdctl import cache
-from epdctl.errors import PlanError, TopologyError
-from epdctl.plan import LaunchSpec, Plan, compute_namespace, flag_value, has_quiet_probes, plan
-from epdctl.topology import Topology, load_topology, parse_topology
-
-ROOT = Path(__file__).parent.parent
-SHIPPED = sorted((ROOT / "topologies").glob("*.yaml"))
-STATE = Path("/state/demo")
-GPUS = ["0", "1", "2", "3", "4", "5"]
-PY = "/opt/py/bin/python"
-VLLM = "0.33.0"
-MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
-
-
-def _topology(roles: dict, **extra: Any) -> Topology:
-    return parse_topology({"name": "demo", "model": MODEL, "roles": roles, **extra})
-
-
-def _plan(topology: Topology, **kw: Any) -> Plan:
-    kw = {"visible_gpus": GPUS, "vllm_version": VLLM, "python": PY, "cpu_count": 16, **kw}
-    return plan(topology, STATE, **kw)
-
-
-def _json_flag(spec: LaunchSpec, flag: str) -> dict | None:
-    value = flag_value(spec.argv, flag)
-    return None if value is None else json.loads(value)
-
-
-def _load_shipped(path: Path) -> Topology:
-    try:
-        return load_topology(path)
-    except Exception as exc:  # a CPU topology may name a model built by a set-up step
-        pytest.skip(f"{path.name} does not load here: {exc}")
+from epdctl.errors import PlanError
+from epdctl.plan import compute_namespace, flag_value, has_quiet_probes
+from epdctl.topology import load_topology, parse_topology
+from tests.planning import (
+    GPUS,
+    MODEL,
+    PY,
+    ROOT,
+    SHIPPED,
+    STATE,
+    VLLM,
+    demo_plan,
+    demo_topology,
+    json_flag,
+    load_shipped,
+)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_topology_plans(path: Path) -> None:
-    topology = _load_shipped(path)
-    result = _plan(topology, visible_gpus=GPUS[:4] if "2e2pd" not in path.name else GPUS)
+    topology = load_shipped(path)
+    result = demo_plan(topology, visible_gpus=GPUS[:4] if "2e2pd" not in path.name else GPUS)
     ports = [s.port for s in result.specs]
     ports += [s.side_channel_port for s in result.specs if s.side_channel_port is not None]
     assert len(ports) == len(set(ports)), "every port is unique"
@@ -61,7 +43,7 @@ def test_shipped_topology_plans(path: Path) -> None:
         assert topology.model in spec.argv
         assert spec.health_url == f"http://127.0.0.1:{spec.port}/health"
         assert spec.log_path == STATE / "logs" / f"{spec.name}.log"
-        ec = _json_flag(spec, "--ec-transfer-config")
+        ec = json_flag(spec, "--ec-transfer-config")
         role = {"ec_role": "ec_producer" if spec.role == "encode" else "ec_consumer",
                 "engine_id": f"{topology.name}-{spec.name}"}
         if has_e and topology.cache.connector == "ECExampleConnector":
@@ -78,7 +60,7 @@ def test_shipped_topology_plans(path: Path) -> None:
             }
         else:
             assert ec is None
-        kv = _json_flag(spec, "--kv-transfer-config")
+        kv = json_flag(spec, "--kv-transfer-config")
         if spec.role in ("prefill", "decode"):
             assert kv is not None
             assert kv["kv_connector"] == ("NixlConnector" if cuda else "ExampleConnector")
@@ -99,7 +81,7 @@ def test_shipped_topology_plans(path: Path) -> None:
 
 
 def test_1e1pd_exact() -> None:
-    result = _plan(load_topology(ROOT / "topologies" / "qwen2_5-vl-1e1pd.yaml"))
+    result = demo_plan(load_topology(ROOT / "topologies" / "qwen2_5-vl-1e1pd.yaml"))
     assert result.mode == "e-pd"
     assert [s.name for s in result.specs] == ["encode-0", "pd-0", "proxy"]
     encode, pd = result.instances
@@ -141,18 +123,18 @@ def test_1e1pd_exact() -> None:
 
 
 def test_1e1p1d_exact() -> None:
-    result = _plan(load_topology(ROOT / "topologies" / "qwen2_5-vl-1e1p1d.yaml"))
+    result = demo_plan(load_topology(ROOT / "topologies" / "qwen2_5-vl-1e1p1d.yaml"))
     assert result.mode == "epd"
     encode, prefill, decode = result.instances
     assert [s.name for s in result.instances] == ["encode-0", "prefill-0", "decode-0"]
     assert [s.port for s in result.instances] == [8100, 8101, 8102]
-    assert _json_flag(prefill, "--kv-transfer-config") == {
+    assert json_flag(prefill, "--kv-transfer-config") == {
         "kv_connector": "NixlConnector", "kv_role": "kv_producer"}
-    assert _json_flag(decode, "--kv-transfer-config") == {
+    assert json_flag(decode, "--kv-transfer-config") == {
         "kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
     # D consumes the encoder cache too, or it re-runs the vision tower.
-    assert _json_flag(decode, "--ec-transfer-config")["ec_role"] == "ec_consumer"
-    assert _json_flag(encode, "--kv-transfer-config") is None
+    assert json_flag(decode, "--ec-transfer-config")["ec_role"] == "ec_consumer"
+    assert json_flag(encode, "--kv-transfer-config") is None
     assert prefill.env == {"UCX_TLS": "all", "UCX_NET_DEVICES": "all",
                            "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
                            "CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -167,7 +149,7 @@ def test_1e1p1d_exact() -> None:
 
 
 def test_2e2pd_tp2_exact() -> None:
-    result = _plan(load_topology(ROOT / "topologies" / "qwen2_5-vl-2e2pd-tp2.yaml"))
+    result = demo_plan(load_topology(ROOT / "topologies" / "qwen2_5-vl-2e2pd-tp2.yaml"))
     names = [s.name for s in result.instances]
     assert names == ["encode-0", "encode-1", "pd-0", "pd-1"]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in result.instances] == ["0", "1", "2,3", "4,5"]
@@ -185,14 +167,14 @@ def test_2e2pd_tp2_exact() -> None:
 def test_2e2pd_tp2_does_not_fit_four_gpus() -> None:
     topology = load_topology(ROOT / "topologies" / "qwen2_5-vl-2e2pd-tp2.yaml")
     with pytest.raises(PlanError) as info:
-        _plan(topology, visible_gpus=GPUS[:4])
+        demo_plan(topology, visible_gpus=GPUS[:4])
     line = "roles -> prefill_decode -> gpus: GPU {} does not exist; 4 GPUs are visible " \
         "(indices 0 to 3)"
     assert str(info.value) == f"{line.format(4)}\n{line.format(5)}"
 
 
 def test_shared_gpu_exact() -> None:
-    result = _plan(load_topology(ROOT / "topologies" / "qwen2_5-vl-shared-gpu.yaml"),
+    result = demo_plan(load_topology(ROOT / "topologies" / "qwen2_5-vl-shared-gpu.yaml"),
                    visible_gpus=["0"])
     encode, pd = result.instances
     assert encode.env["CUDA_VISIBLE_DEVICES"] == pd.env["CUDA_VISIBLE_DEVICES"] == "0"
@@ -203,9 +185,9 @@ def test_shared_gpu_exact() -> None:
 
 
 def test_sharing_needs_fractions() -> None:
-    topology = _topology({"encode": {"gpus": [0]}, "prefill_decode": {"gpus": [0]}})
+    topology = demo_topology({"encode": {"gpus": [0]}, "prefill_decode": {"gpus": [0]}})
     with pytest.raises(PlanError) as info:
-        _plan(topology)
+        demo_plan(topology)
     assert str(info.value) == (
         "roles -> encode -> gpu_memory_utilization: required, because GPU 0 is shared by "
         "`encode-0`, `pd-0`\n"
@@ -215,12 +197,12 @@ def test_sharing_needs_fractions() -> None:
 
 
 def test_shared_fractions_must_fit() -> None:
-    topology = _topology({
+    topology = demo_topology({
         "encode": {"gpus": [0], "gpu_memory_utilization": 0.4},
         "prefill_decode": {"gpus": [0], "gpu_memory_utilization": 0.7},
     })
     with pytest.raises(PlanError) as info:
-        _plan(topology)
+        demo_plan(topology)
     assert str(info.value) == (
         "GPU 0 is shared by `encode-0`, `pd-0`: their gpu_memory_utilization adds up to 1.10, "
         "more than 1"
@@ -229,51 +211,51 @@ def test_shared_fractions_must_fit() -> None:
 
 def test_staggered_start_waits_for_every_gpu_neighbour() -> None:
     # pd-0 (TP 2 on GPUs 0+1) shares one GPU with each encoder: it waits for both.
-    topology = _topology({
+    topology = demo_topology({
         "encode": {"replicas": 2, "gpus": [0, 1], "gpu_memory_utilization": 0.1},
         "prefill_decode": {"gpus": [0, 1], "tensor_parallel": 2, "gpu_memory_utilization": 0.8},
     })
-    result = _plan(topology)
+    result = demo_plan(topology)
     assert [s.start_after for s in result.instances] == [(), (), ("encode-0", "encode-1")]
 
 
 def test_more_gpus_than_the_machine_has() -> None:
-    topology = _topology({"encode": {"gpus": [0]}, "prefill_decode": {"gpus": [3]}})
+    topology = demo_topology({"encode": {"gpus": [0]}, "prefill_decode": {"gpus": [3]}})
     with pytest.raises(PlanError) as info:
-        _plan(topology, visible_gpus=["0", "1"])
+        demo_plan(topology, visible_gpus=["0", "1"])
     assert str(info.value) == (
         "roles -> prefill_decode -> gpus: GPU 3 does not exist; 2 GPUs are visible (indices 0 to 1)"
     )
     with pytest.raises(PlanError) as info:
-        _plan(_topology({"encode": {}, "prefill_decode": {"tensor_parallel": 2}}),
+        demo_plan(demo_topology({"encode": {}, "prefill_decode": {"tensor_parallel": 2}}),
               visible_gpus=["0", "1"])
     assert str(info.value) == (
         "roles -> prefill_decode -> gpus: needs 2 GPUs but only 1 is left unassigned; "
         "2 GPUs are visible (indices 0 to 1)"
     )
     with pytest.raises(PlanError, match="no GPU is visible"):
-        _plan(_topology({"prefill_decode": {}}), visible_gpus=[])
+        demo_plan(demo_topology({"prefill_decode": {}}), visible_gpus=[])
 
 
 def test_counts_pick_gpus_no_role_lists() -> None:
-    topology = _topology({"encode": {"gpus": 1}, "prefill_decode": {"gpus": [0, 1],
+    topology = demo_topology({"encode": {"gpus": 1}, "prefill_decode": {"gpus": [0, 1],
                                                                     "tensor_parallel": 2}})
-    result = _plan(topology)
+    result = demo_plan(topology)
     assert [s.gpus for s in result.instances] == [("2",), ("0", "1")]
 
 
 def test_outer_visible_devices_are_written_as_given() -> None:
-    topology = _topology({"encode": {"gpus": [0]}, "prefill_decode": {"gpus": [1]}})
-    result = _plan(topology, visible_gpus=["GPU-aaaa", "GPU-bbbb"])
+    topology = demo_topology({"encode": {"gpus": [0]}, "prefill_decode": {"gpus": [1]}})
+    result = demo_plan(topology, visible_gpus=["GPU-aaaa", "GPU-bbbb"])
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in result.instances] == ["GPU-aaaa", "GPU-bbbb"]
 
 
 def test_ports_skip_the_proxy_and_each_other() -> None:
-    topology = _topology(
+    topology = demo_topology(
         {"prefill": {"replicas": 2}, "decode": {}},
         proxy={"port": 9001}, ports={"base": 9000, "side_channel_base": 9001},
     )
-    result = _plan(topology)
+    result = demo_plan(topology)
     assert [s.port for s in result.instances] == [9000, 9002, 9003]
     assert [s.side_channel_port for s in result.instances] == [9004, 9005, 9006]
     assert result.mode == "p-d"
@@ -282,9 +264,9 @@ def test_ports_skip_the_proxy_and_each_other() -> None:
 
 
 def test_ports_past_65535() -> None:
-    topology = _topology({"prefill_decode": {"replicas": 3}}, ports={"base": 65534})
+    topology = demo_topology({"prefill_decode": {"replicas": 3}}, ports={"base": 65534})
     with pytest.raises(PlanError) as info:
-        _plan(topology)
+        demo_plan(topology)
     assert str(info.value) == "ports -> base: 3 port(s) from 65534 do not fit below 65536"
 
 
@@ -294,7 +276,7 @@ def test_namespace_is_stable_and_tracks_what_changes_encoder_outputs() -> None:
         topology = parse_topology({"name": "demo", "model": model, "engine": {"args": list(args)},
                                    "roles": {"encode": {}, "prefill_decode": {
                                        "args": list(pd_args)}}})
-        return _plan(topology, vllm_version=vllm).namespace
+        return demo_plan(topology, vllm_version=vllm).namespace
 
     base = ns()
     assert base == ns() and base.startswith("demo-") and len(base) == len("demo-") + 12
@@ -320,39 +302,39 @@ def test_namespace_of_a_local_model_follows_its_config(tmp_path: Path) -> None:
 
 
 def test_cpu_plan() -> None:
-    topology = _topology({"encode": {}, "prefill": {}, "decode": {}}, device="cpu")
-    result = _plan(topology, cpu_count=16, visible_gpus=[])
+    topology = demo_topology({"encode": {}, "prefill": {}, "decode": {}}, device="cpu")
+    result = demo_plan(topology, cpu_count=16, visible_gpus=[])
     encode, prefill, decode = result.instances
     assert encode.argv[:5] == (PY, "-m", "epdctl.engines.vllm_cpu", "serve", MODEL)
     assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in result.instances] == [
         "0-4", "5-9", "10-14"]
     assert all(s.gpus == () and "CUDA_VISIBLE_DEVICES" not in s.env for s in result.instances)
-    assert _json_flag(prefill, "--kv-transfer-config") == {
+    assert json_flag(prefill, "--kv-transfer-config") == {
         "kv_connector": "ExampleConnector", "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(STATE / "kv")},
     }
-    assert _json_flag(decode, "--kv-transfer-config")["kv_role"] == "kv_consumer"
-    assert _json_flag(decode, "--ec-transfer-config")["ec_role"] == "ec_consumer"
-    few = _plan(topology, cpu_count=2, visible_gpus=[])
+    assert json_flag(decode, "--kv-transfer-config")["kv_role"] == "kv_consumer"
+    assert json_flag(decode, "--ec-transfer-config")["ec_role"] == "ec_consumer"
+    few = demo_plan(topology, cpu_count=2, visible_gpus=[])
     assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in few.instances] == ["0", "1", "0"]
 
 
 def test_probes_stay_out_of_the_access_log_where_vllm_can_do_it() -> None:
-    topology = _topology({"encode": {}, "prefill_decode": {}})
-    for spec in _plan(topology).instances:
+    topology = demo_topology({"encode": {}, "prefill_decode": {}})
+    for spec in demo_plan(topology).instances:
         assert flag_value(spec.argv, "--disable-access-log-for-endpoints") == "/health,/metrics"
         assert "--enable-log-requests" not in spec.argv
     for old in ("0.15.1", "0.9.2"):
         assert all("--disable-access-log-for-endpoints" not in s.argv
-                   for s in _plan(topology, vllm_version=old).specs)
+                   for s in demo_plan(topology, vllm_version=old).specs)
     assert has_quiet_probes("unknown") and has_quiet_probes("0.32.0+cpu")
-    assert "--disable-access-log-for-endpoints" not in _plan(topology).proxy.argv
+    assert "--disable-access-log-for-endpoints" not in demo_plan(topology).proxy.argv
 
 
 def test_log_requests_turns_on_vllm_request_logging_on_every_engine() -> None:
-    topology = _topology({"encode": {}, "prefill": {}, "decode": {}},
+    topology = demo_topology({"encode": {}, "prefill": {}, "decode": {}},
                          engine={"log_requests": True, "args": ["--dtype", "half"]})
-    result = _plan(topology)
+    result = demo_plan(topology)
     assert all(s.argv.count("--enable-log-requests") == 1 for s in result.instances)
     assert "--enable-log-requests" not in result.proxy.argv
     # The topology's own args come later, so they can still override epdctl's flags.
@@ -361,77 +343,27 @@ def test_log_requests_turns_on_vllm_request_logging_on_every_engine() -> None:
 
 
 def test_user_env_and_command_win() -> None:
-    topology = _topology(
+    topology = demo_topology(
         {"prefill_decode": {"env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}}}, device="cpu",
         engine={"command": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"]},
     )
-    (pd,) = _plan(topology).instances
+    (pd,) = demo_plan(topology).instances
     assert pd.env == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     assert pd.argv[:5] == ("python", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL)
 
 
 def test_kv_extra_config_and_connector() -> None:
-    topology = _topology({"prefill": {}, "decode": {}},
+    topology = demo_topology({"prefill": {}, "decode": {}},
                          kv={"connector": "NixlConnector", "extra_config": {"backends": ["UCX"]}})
-    prefill, _ = _plan(topology).instances
-    assert _json_flag(prefill, "--kv-transfer-config") == {
+    prefill, _ = demo_plan(topology).instances
+    assert json_flag(prefill, "--kv-transfer-config") == {
         "kv_connector": "NixlConnector", "kv_role": "kv_producer",
         "kv_connector_extra_config": {"backends": ["UCX"]},
     }
 
 
-def test_proxy_options() -> None:
-    topology = _topology({"prefill_decode": {}}, served_model_name="qwen",
-                         proxy={"host": "0.0.0.0", "port": 9000, "api_key": "s3cret",
-                                "metadata_rewrite": False, "decode_timeout": "5m"})
-    result = _plan(topology)
-    (pd,) = result.instances
-    assert flag_value(pd.argv, "--served-model-name") == "qwen"
-    assert result.model_name == "qwen"
-    assert result.proxy.argv == (
-        PY, "-m", "epdctl.proxy", "--host", "0.0.0.0", "--port", "9000", "--model", "qwen",
-        "--prefill-decode", "http://127.0.0.1:8100",
-        "--encode-timeout", "60.0", "--prefill-timeout", "120.0", "--decode-timeout", "300.0",
-        "--stream-idle-timeout", "60.0", "--max-inflight", "256", "--no-metadata-rewrite",
-    )
-    assert result.proxy.env == {"EPDCTL_PROXY_API_KEY": "s3cret"}
-    assert result.proxy.health_url == "http://127.0.0.1:9000/health"
-    v6 = _plan(_topology({"prefill_decode": {}}, proxy={"host": "::1"}))
-    assert v6.proxy.health_url == "http://[::1]:8000/health"
-
-
-def test_client_uuids_reaches_the_proxy_and_parses_back() -> None:
-    from epdctl.proxy.config import parse_argv
-
-    for given, flag in ((False, "--no-client-uuids"), (True, None), (None, None)):
-        proxy = {} if given is None else {"client_uuids": given}
-        argv = _plan(_topology({"encode": {}, "prefill_decode": {}}, proxy=proxy)).proxy.argv
-        assert argv[:3] == (PY, "-m", "epdctl.proxy")
-        assert (flag in argv) if flag else not any("client-uuids" in a for a in argv)
-        assert parse_argv(argv[3:]).client_uuids is (given is not False)
-    with pytest.raises(TopologyError, match="proxy -> client_uuids: expected true or false"):
-        _topology({"prefill_decode": {}}, proxy={"client_uuids": "no"})
-
-
-def test_the_proxy_looks_in_the_topologys_store_unless_switched_off(tmp_path: Path) -> None:
-    from epdctl.proxy.config import parse_argv
-
-    topology = _topology({"encode": {}, "prefill_decode": {}}, cache={"dir": str(tmp_path)})
-    result = _plan(topology)
-    config = parse_argv(result.proxy.args)
-    assert (config.store_dir, config.namespace) == (str(tmp_path), result.namespace)
-    assert result.store_dir == tmp_path / config.namespace  # the namespace E and PD use
-    assert config.should_look_up
-    off = _plan(_topology({"encode": {}, "prefill_decode": {}},
-                          proxy={"skip_cached_items": False}))
-    assert "--no-skip-cached-items" in off.proxy.args
-    assert not parse_argv(off.proxy.args).should_look_up
-    aggregated = _plan(_topology({"prefill_decode": {}}))  # no encoder: nothing to skip
-    assert "--store-dir" not in aggregated.proxy.args
-
-
 def test_plan_spec_lookup_and_shell() -> None:
-    result = _plan(_topology({"encode": {}, "prefill_decode": {}}))
+    result = demo_plan(demo_topology({"encode": {}, "prefill_decode": {}}))
     assert result.spec("pd-0").role == "prefill_decode"
     assert result.spec("proxy") is result.proxy
     with pytest.raises(KeyError):
@@ -448,4 +380,4 @@ def test_plan_is_pure(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket, "socket", forbidden)
     monkeypatch.setattr(subprocess, "Popen", forbidden)
     topology = load_topology(ROOT / "topologies" / "qwen2_5-vl-1e1p1d.yaml")
-    assert _plan(topology) == _plan(topology)
+    assert demo_plan(topology) == demo_plan(topology)
