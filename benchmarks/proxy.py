@@ -9,8 +9,9 @@ Starts a fake E + PD server (raw asyncio, one process, two ports) and two proxie
 store (`--store-dir/--namespace`), which looks each image up before the E stage, and one
 without a store (no lookups). Then it drives them with a closed-loop raw asyncio HTTP/1.1 load
 generator at several concurrency levels: text straight to PD (direct) and through the proxy
-without lookups (proxy), and image requests on both proxies, one after the other, the arm that
-goes first alternating from level to level. Every image request carries an image of its own,
+without lookups (proxy), and image requests on both proxies in the order A B B A (which arm
+is A alternating from level to level; an arm's figure at a level is the mean of its two runs).
+Every image request carries an image of its own,
 so every lookup misses: the two image arms measure the cost of the skip when nothing repeats.
 --no-store: the proxy without lookups alone (for proxies without them).
 
@@ -210,7 +211,11 @@ def _arms(level_index: int, proxies: dict[str, tuple[int, subprocess.Popen]],
     look_port, looking = proxies["lookups"]
     images = [("image-lookups", look_port, IMAGE, looking),
               ("image-no-lookups", port, IMAGE, plain)]
-    return rows + (images if level_index % 2 == 0 else images[::-1])
+    if level_index % 2:
+        images.reverse()
+    # A B B A: what comes first or last at a level (a warmer proxy, a busier machine) weighs
+    # on both arms alike; each arm's figure at the level is the mean of its two runs.
+    return rows + images + images[::-1]
 
 
 def main() -> None:
@@ -269,9 +274,13 @@ def main() -> None:
 def _summary(rows: list[tuple[int, str, dict]]) -> str:
     """The key=value line: text overhead at the first level, best req/s, lookup ratios."""
     first = rows[0][0]
-    by = {(lvl, name): res for lvl, name, res in rows}
-    best = {name: max(res["rps"] for _, n, res in rows if n == name)
-            for name in {name for _, name, _ in rows}}
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for lvl, name, res in rows:
+        runs.setdefault((lvl, name), []).append(res)
+    by = {key: {k: statistics.fmean(r[k] for r in results) for k in ("rps", "p50_ms", "p99_ms")}
+          for key, results in runs.items()}
+    best = {name: max(res["rps"] for (_, n), res in by.items() if n == name)
+            for _, name in by}
     added_p50 = by[(first, "proxy")]["p50_ms"] - by[(first, "direct")]["p50_ms"]
     added_p99 = by[(first, "proxy")]["p99_ms"] - by[(first, "direct")]["p99_ms"]
     line = (f"added_p50_ms={added_p50:.3f} added_p99_ms={added_p99:.3f} "
