@@ -10,14 +10,14 @@ from epdctl.engines.guard import MIDDLEWARE
 from epdctl.plan import flag_value
 from epdctl.run import make_plan
 from epdctl.state import RunState, Settings, SpecModel
-from tests.test_plan import _plan, _topology
+from tests.planning import demo_plan, demo_topology
 
 KEY = "int3rnal-k3y"
 ROLES = {"encode": {}, "prefill": {}, "decode": {}}
 
 
 def test_with_an_api_key_every_instance_requires_the_internal_key() -> None:
-    result = _plan(_topology(ROLES, proxy={"api_key": "outside"}), internal_key=KEY)
+    result = demo_plan(demo_topology(ROLES, proxy={"api_key": "outside"}), internal_key=KEY)
     for spec in result.instances:
         assert spec.is_key_required and spec.env["VLLM_API_KEY"] == KEY
         assert flag_value(spec.argv, "--middleware") == MIDDLEWARE
@@ -30,7 +30,7 @@ def test_with_an_api_key_every_instance_requires_the_internal_key() -> None:
 
 
 def test_without_an_api_key_the_instances_are_open() -> None:
-    result = _plan(_topology(ROLES), internal_key=KEY)  # a key alone changes nothing
+    result = demo_plan(demo_topology(ROLES), internal_key=KEY)  # a key alone changes nothing
     for spec in result.instances:
         assert not spec.is_key_required and "VLLM_API_KEY" not in spec.env
         assert "--middleware" not in spec.argv
@@ -38,7 +38,7 @@ def test_without_an_api_key_the_instances_are_open() -> None:
 
 
 def test_each_run_gets_a_fresh_key_kept_in_its_state() -> None:
-    topology = _topology({"prefill_decode": {}}, proxy={"api_key": "outside"})
+    topology = demo_topology({"prefill_decode": {}}, proxy={"api_key": "outside"})
     first, second = (make_plan(topology, Path("/state/demo"), is_dry_run=True)
                      for _ in range(2))
     one, two = first.instances[0].env["VLLM_API_KEY"], second.instances[0].env["VLLM_API_KEY"]
@@ -52,7 +52,7 @@ def test_each_run_gets_a_fresh_key_kept_in_its_state() -> None:
 
 
 def test_the_baseline_verify_starts_has_no_key(tmp_path: Path) -> None:
-    result = _plan(_topology({"prefill_decode": {}}, proxy={"api_key": "outside"}),
+    result = demo_plan(demo_topology({"prefill_decode": {}}, proxy={"api_key": "outside"}),
                    internal_key=KEY)
     twin = baseline_spec(result.instances[0], 9999, tmp_path / "b.log")
     assert "VLLM_API_KEY" not in twin.env and "--middleware" not in twin.argv
