@@ -56,6 +56,10 @@ def _safe_name(text: str, max_chars: int) -> str:
 
 def key_filename(key: str) -> str:
     """The file name stem of `key` (mm_hash may hold ':' or be chosen by a client)."""
+    if len(key) <= _MAX_KEY_CHARS and _SAFE.fullmatch(key):
+        # A plain key (content and client keys are) is its own name: no trip through the
+        # cache, which every fresh key would churn (the proxy makes one per image).
+        return key
     return _safe_name(key, _MAX_KEY_CHARS)
 
 

@@ -49,6 +49,8 @@ def test_keys_that_are_not_file_names_are_hashed_and_kept_in_the_header(store: S
         p = pin(store, key, rows=1)
         assert isinstance(p, Pin) and p.header.key == key and load(p) == payload(1, seed=i)
     assert key_filename("plain-KEY_09") == "plain-KEY_09"
+    assert key_filename("a" * 100) == "a" * 100  # the longest plain name
+    assert key_filename("a" * 101).startswith("~") and key_filename("a:b").startswith("~")
 
 
 def test_every_rank_gets_its_own_pin(store: Store) -> None:

@@ -283,8 +283,8 @@ def test_killed_pd(probe: Probe) -> None:
         assert _error_of(reply)["message"]
         assert time.monotonic() - begin < 15
     # /health says 503 only until PD is back (seconds, on a fast machine): the log keeps it.
-    assert probe.wait_logged("proxy", proxy_at, f"ejecting pd instance {probe.urls['pd-0']}",
-                             30)
+    ejected = f"ejecting prefill_decode instance {probe.urls['pd-0']}"
+    assert probe.wait_logged("proxy", proxy_at, ejected, 30)
     assert wait_for(lambda: probe.status()["pd-0"]["restarts"] == restarts["pd-0"] + 1, 30, 0.5)
 
     row = wait_ready(probe, "pd-0", restarts["pd-0"] + 1)
