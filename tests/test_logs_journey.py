@@ -47,16 +47,20 @@ LOGS = {
 }
 
 
-@pytest.fixture
-def files(tmp_path: Path) -> list[tuple[str, Path]]:
+def _write_logs(tmp_path: Path, logs: dict[str, list[str]]) -> list[tuple[str, Path]]:
     paths = []
-    for name, rows in LOGS.items():
+    for name, rows in logs.items():
         path = tmp_path / f"{name}.log"
         path.write_text("".join(f"{r}\n" for r in rows))
         # vLLM's times have no year: the file's last write gives it.
         os.utime(path, (datetime(2025, 1, 2, 12, 5).timestamp(),) * 2)
         paths.append((name, path))
     return paths
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> list[tuple[str, Path]]:
+    return _write_logs(tmp_path, LOGS)
 
 
 @pytest.mark.parametrize("given", ["req-7", "chatcmpl-req-7:decode", "req-7:enc0",
@@ -133,13 +137,7 @@ CURRENT = {
 
 @pytest.fixture
 def current_files(tmp_path: Path) -> list[tuple[str, Path]]:
-    paths = []
-    for name, rows in CURRENT.items():
-        path = tmp_path / f"{name}.log"
-        path.write_text("".join(f"{r}\n" for r in rows))
-        os.utime(path, (datetime(2025, 1, 2, 12, 5).timestamp(),) * 2)
-        paths.append((name, path))
-    return paths
+    return _write_logs(tmp_path, CURRENT)
 
 
 @pytest.mark.parametrize("given", ["abc", "chatcmpl-abc", "chatcmpl-abc-99aa88bb",
