@@ -15,6 +15,7 @@ from epdctl import cache
 from epdctl import ec_connectors as ec_conn
 from epdctl.engines.guard import KEY_ENV
 from epdctl.errors import PlanError
+from epdctl.keys import has_api_key
 from epdctl.proxy.config import ProxyConfig
 from epdctl.spec import HOST, PROBE_PATHS, PROXY_ROLE, LaunchSpec, Plan
 from epdctl.topology import (
@@ -221,12 +222,13 @@ def plan(
 ) -> Plan:
     """Place the topology: one LaunchSpec per instance plus the proxy. Pure.
 
-    With proxy.api_key the instances require a key too (their VLLM_API_KEY, every route but
-    /health), so nobody goes around the proxy's: `internal_key`, the run's own (the caller
-    makes one per run), is put in each instance's env and the proxy's; without it (render)
-    the env is left to whoever supplies the key.
+    The instances require a key (their VLLM_API_KEY, every route but /health), so nobody on
+    the machine goes around the proxy to them: `internal_key`, the run's own (`up` makes one
+    for every run), is put in each instance's env and the proxy's. Without one (render), the
+    instances require a key only when the proxy has an api_key, and the env is left to
+    whoever supplies it (a Secret).
     """
-    is_key_required = topology.proxy.api_key is not None
+    is_key_required = internal_key is not None or has_api_key(topology.proxy)
     namespace = compute_namespace(topology, vllm_version)
     gpus = _assign_gpus(topology, visible_gpus) if topology.device == "cuda" else {}
     order = [(name, r) for name in ROLE_NAMES if name in topology.roles
@@ -280,7 +282,7 @@ def plan(
                 last_user[dev] = name
         else:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(index, len(order), cpu_count))
-        if is_key_required and internal_key:
+        if internal_key:
             env[KEY_ENV] = internal_key
         specs.append(LaunchSpec(
             name=name, role=role_name, command=(*command, topology.model), port=port,
@@ -293,8 +295,7 @@ def plan(
             quiet_paths=quiet, log_requests=topology.engine.log_requests,
         ))
     _check_sharing(owners)
-    proxy = _proxy_spec(topology, state_dir, specs, python, namespace,
-                        internal_key if is_key_required else None)
+    proxy = _proxy_spec(topology, state_dir, specs, python, namespace, internal_key)
     store_dir = topology.cache.dir / namespace
     return Plan(
         name=topology.name, mode=topology.mode, state_dir=state_dir, namespace=namespace,
@@ -311,7 +312,7 @@ def proxy_config(topology: Topology, instances: Sequence[LaunchSpec],
     (the store it looks items up in, Mooncake's sockets)."""
     names = {f.name for f in dataclasses.fields(ProxyConfig)}
     knobs: dict[str, Any] = {}
-    for key, value in topology.proxy.model_dump().items():
+    for key, value in topology.proxy.model_dump(exclude={"api_key_file"}).items():
         knobs[key if key in names else f"{key}_s"] = value
     for spec in instances:  # each role's instances go to the ProxyConfig field of its name
         knobs[spec.role] = (*knobs.get(spec.role, ()), spec.url)

@@ -22,7 +22,9 @@ from epdctl.errors import (
     NotRunningError,
     PlanError,
     StartupError,
+    TopologyError,
 )
+from epdctl.keys import with_api_key
 from epdctl.launcher import (
     STOP_TIMEOUT_S,
     Proc,
@@ -84,8 +86,17 @@ def make_plan(topology: Topology, state_dir: Path, *, is_dry_run: bool = False,
             if warn is not None:
                 warn(f"warning: {exc}\nplanning as if GPUs 0-{len(gpus) - 1} were visible "
                      "(dry run only)")
-    # A fresh internal key per run (kept in state.json, 0600): see plan().
-    key = secrets.token_urlsafe(32) if topology.proxy.api_key else None
+    # A fresh internal key for every run (kept in state.json, 0600): see plan(). The
+    # client-facing key is read only for a real start (a dry run shows where it comes from).
+    key = secrets.token_urlsafe(32)
+    try:
+        section = with_api_key(topology.proxy)
+    except TopologyError:
+        if not is_dry_run:
+            raise
+        section = topology.proxy.model_copy(update={"api_key": "<proxy.api_key>",
+                                                    "api_key_file": None})
+    topology = topology.model_copy(update={"proxy": section})
     result = plan(topology, state_dir, visible_gpus=gpus, vllm_version=vllm_version(),
                   cpu_count=len(os.sched_getaffinity(0)), internal_key=key)
     command = os.environ.get(PROXY_COMMAND_ENV)

@@ -78,7 +78,7 @@ class LaunchSpec:
     ec_port; ECCPUConnector producers: the side channel)."""
     is_key_required: bool = False
     """Answer only requests with the internal key ($VLLM_API_KEY), on every route but
-    /health (epdctl.engines.guard): set when the proxy has an api_key."""
+    /health (epdctl.engines.guard): every run `up` starts (render: with proxy.api_key)."""
     quiet_paths: tuple[str, ...] = ()
     """Paths the engine leaves out of its access log (the probes)."""
     log_requests: bool = False

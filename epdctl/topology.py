@@ -295,13 +295,17 @@ def require_local_model(topology: Topology) -> None:
 
 
 def _resolve(topology: Topology, base: Path) -> Topology:
-    """Make local model and cache paths absolute, relative to the topology file."""
+    """Make local model, cache and key file paths absolute, relative to the topology file."""
     update: dict[str, Any] = {}
     if is_local_model(topology.model):
         update["model"] = str((base / Path(topology.model).expanduser()).resolve())
     cache_dir = (base / topology.cache.dir.expanduser()).absolute()
     if cache_dir != topology.cache.dir:
         update["cache"] = topology.cache.model_copy(update={"dir": cache_dir})
+    key_file = topology.proxy.api_key_file
+    if key_file is not None and not key_file.expanduser().is_absolute():
+        update["proxy"] = topology.proxy.model_copy(
+            update={"api_key_file": (base / key_file.expanduser()).absolute()})
     return topology.model_copy(update=update) if update else topology
 
 

@@ -7,7 +7,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from epdctl import cache
 from epdctl._topology_file import show
@@ -147,7 +155,13 @@ class Proxy(BaseModel):
     port: Port = _PROXY["port"]
     """Port clients connect to."""
     api_key: Annotated[str, Field(min_length=1)] | None = _PROXY["api_key"]
-    """Bearer token required on every route but /health."""
+    """Bearer token clients must send on every route but /health (the instances behind the
+    proxy always require a key of their own, made for each run). `${VAR}` reads it from the
+    environment of `epdctl up`; a literal key in a file others can read is a `doctor`
+    warning: prefer `api_key_file` or `${VAR}`."""
+    api_key_file: Path | None = None
+    """A file holding the api_key (its first line), owned by you and readable by you alone
+    (mode 0600); relative to the topology file. Instead of `api_key`."""
     metadata_rewrite: Bool = _PROXY["metadata_rewrite"]
     """Replace media by E's `*_embeds` metadata so P/PD skip preprocessing (where supported)."""
     client_uuids: Bool = _PROXY["client_uuids"]
@@ -179,6 +193,12 @@ class Proxy(BaseModel):
     """Longest silence allowed between two chunks of a streamed answer."""
     max_inflight: Annotated[Int, Field(ge=1)] = _PROXY["max_inflight"]
     """Requests served at once; more get 503 with Retry-After."""
+
+    @model_validator(mode="after")
+    def _one_key(self) -> Proxy:
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give api_key or api_key_file, not both")
+        return self
 
     @field_validator("host")
     @classmethod

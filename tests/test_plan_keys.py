@@ -1,5 +1,6 @@
-"""proxy.api_key closes the side doors: every instance requires the run's internal key, which
-only the proxy gets, and which no shown command line, baseline or argv carries."""
+"""No side doors: every instance of a run requires the run's internal key (with or without
+proxy.api_key), which only the proxy gets, and which no shown command line, baseline or argv
+carries; render, which has no run, keys the instances only behind a keyed proxy."""
 
 from __future__ import annotations
 
@@ -29,12 +30,27 @@ def test_with_an_api_key_every_instance_requires_the_internal_key() -> None:
     assert all(KEY not in " ".join(s.argv) for s in result.specs)
 
 
-def test_without_an_api_key_the_instances_are_open() -> None:
-    result = demo_plan(demo_topology(ROLES), internal_key=KEY)  # a key alone changes nothing
+def test_without_an_api_key_the_instances_still_require_the_internal_key() -> None:
+    result = demo_plan(demo_topology(ROLES), internal_key=KEY)
+    for spec in result.instances:
+        assert spec.is_key_required and spec.env["VLLM_API_KEY"] == KEY
+        assert flag_value(spec.argv, "--middleware") == MIDDLEWARE
+        assert KEY not in spec.shell()
+    assert result.proxy.env == {"EPDCTL_PROXY_UPSTREAM_KEY": KEY}  # the proxy itself is open
+
+
+def test_without_a_run_key_or_an_api_key_the_plan_is_open() -> None:
+    """render's plan: no run, no key to give; the manifests' notes say how to close it."""
+    result = demo_plan(demo_topology(ROLES))
     for spec in result.instances:
         assert not spec.is_key_required and "VLLM_API_KEY" not in spec.env
         assert "--middleware" not in spec.argv
     assert result.proxy.env == {}
+
+
+def test_every_plan_up_makes_has_a_key() -> None:
+    plan = make_plan(demo_topology({"prefill_decode": {}}), Path("/state/demo"), is_dry_run=True)
+    assert all(s.is_key_required and len(s.env["VLLM_API_KEY"]) >= 40 for s in plan.instances)
 
 
 def test_each_run_gets_a_fresh_key_kept_in_its_state() -> None:

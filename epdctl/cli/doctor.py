@@ -68,6 +68,10 @@ def doctor(app: App, ctx: click.Context, topology_path: Path | None, as_json: bo
     combination   settings that validate but do not work: MooncakeConnector, kv: with
                   no P|D split, an open proxy with no api_key, Qwen3.5 over NIXL
                   without VLLM_SSM_CONV_STATE_LAYOUT=DS
+    safety        what other users of the machine can do: the engines' key (always),
+                  where the EC store is and that it is private, who may use the proxy
+                  (warn: a literal proxy.api_key in a file others can read; fail: a key
+                  file or ${VAR} that cannot be read)
     """
     from epdctl.doctor import run_checks
     from epdctl.topology import load_topology
@@ -77,9 +81,9 @@ def doctor(app: App, ctx: click.Context, topology_path: Path | None, as_json: bo
         topology = load_topology(topology_path)
     if app.err.is_interactive and not as_json:
         with app.err.status("checking (vLLM's --version takes a few seconds)"):
-            checks = run_checks(topology, app.state_root)
+            checks = run_checks(topology, app.state_root, topology_path=topology_path)
     else:
-        checks = run_checks(topology, app.state_root)
+        checks = run_checks(topology, app.state_root, topology_path=topology_path)
     is_ok = all(c.status != "fail" for c in checks)
     if as_json:
         click.echo(json.dumps({"ok": is_ok, "checks": [c.as_dict() for c in checks]}, indent=2))

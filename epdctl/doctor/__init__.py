@@ -37,6 +37,7 @@ from epdctl.doctor._host import (
     filesystem_type,
     is_writable,
 )
+from epdctl.doctor._safety import check_safety
 from epdctl.doctor._topology import check_combinations, check_model, kv_connector
 from epdctl.errors import PlanError
 from epdctl.gpus import GpuInfo
@@ -141,10 +142,29 @@ def connector_problems(topology: Topology, placed: Plan,
     return [f"{c.detail}; {c.fix}" if c.fix else c.detail for c in checks if c.status == "fail"]
 
 
+def store_line(topology: Topology, placed: Plan | PlanError) -> str:
+    """Where the run's EC store will be, and whether it is private, in a few words."""
+    from epdctl.private import dir_problem
+
+    if "encode" not in topology.roles:
+        return "no EC store (no encode role)"
+    where = placed.store_dir if isinstance(placed, Plan) else topology.cache.dir
+    try:
+        problem = dir_problem(topology.cache.dir)
+    except FileNotFoundError:
+        return f"store private at {where} (up creates it, mode 0700)"
+    except OSError as exc:
+        return f"store at {where}: {exc.strerror or exc}"
+    if problem is not None:
+        return f"store root {topology.cache.dir} not usable: {problem}"
+    return f"store private at {where} (mode 0700, yours)"
+
+
 def run_checks(topology: Topology | None, state_root: Path,
-               probes: Probes | None = None) -> list[Check]:
-    """Every check for `topology`; without one, the environment's alone (vLLM, plugin, GPUs,
-    /dev/shm), for the device NVML suggests."""
+               probes: Probes | None = None, topology_path: Path | None = None) -> list[Check]:
+    """Every check for `topology` (read from `topology_path`, for the safety check);
+    without one, the environment's alone (vLLM, plugin, GPUs, /dev/shm), for the device
+    NVML suggests."""
     probes = probes or Probes()
     gpus: Gpus
     try:
@@ -183,4 +203,5 @@ def run_checks(topology: Topology | None, state_root: Path,
         check_ports(ports_plan, probes.check_ports),
         check_model(topology, env, report.python if report else python),
         *check_combinations(topology, ports_plan),
+        check_safety(topology, topology_path, store_line(topology, placed)),
     ]

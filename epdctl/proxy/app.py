@@ -40,7 +40,8 @@ class ProxyApp:
 
     def _health(self, scope: dict[str, Any]) -> Response:
         proxy = self._proxy
-        is_ok, report = proxy.upstreams.report()
+        # Roles and counts for anyone (probes, load balancers); URLs only to a keyed caller.
+        is_ok, report = proxy.upstreams.report(with_urls=proxy.is_trusted(scope))
         body = {**report, "mode": MODE_LABEL[proxy.config.mode], "inflight": proxy.inflight}
         return Response(json.dumps(body), 200 if is_ok else 503, media_type=JSON_TYPE)
 

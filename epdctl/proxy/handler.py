@@ -86,14 +86,17 @@ class ProxyHandler:
         if self.encoder is not None and config.ec_protocol == "mooncake":
             self.mooncake = MooncakeRoute(config, self.encoder, self.generator, self.metrics)
         self._auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        # Who may see the instances' URLs on /health: a client with the api_key, or epdctl's
+        # own tools with the run's internal key (nobody needs a key where neither is set).
+        self._trusted = [f"Bearer {k}".encode() for k in (config.api_key, config.upstream_api_key)
+                         if k]
 
     def is_authorized(self, scope: Scope) -> bool:
-        if self._auth is None:
-            return True
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return hmac.compare_digest(value, self._auth)
-        return False
+        return self._auth is None or _presents(scope, [self._auth])
+
+    def is_trusted(self, scope: Scope) -> bool:
+        """Whether the caller may see the topology's insides (the instances' URLs)."""
+        return not self._trusted or _presents(scope, self._trusted)
 
     def close(self) -> None:
         """Flush what outlives the app (the store counters); __main__ calls it on exit.
@@ -394,3 +397,11 @@ async def _send_stream(send: Any, answer: Answer, rid: str, watcher: _Disconnect
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _presents(scope: Scope, keys: list[bytes]) -> bool:
+    """Whether the request's authorization header is one of `keys` (constant time each)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return any([hmac.compare_digest(value, key) for key in keys])
+    return False

@@ -117,14 +117,15 @@ class Upstreams:
                 log.exception("health probe round failed")
             await asyncio.sleep(interval_s)
 
-    def report(self) -> tuple[bool, dict[str, object]]:
-        """Whether every required role has a healthy instance, and who is in and out."""
-        roles = {}
+    def report(self, *, with_urls: bool = True) -> tuple[bool, dict[str, object]]:
+        """Whether every required role has a healthy instance, and who is in and out: their
+        URLs, or (`with_urls=False`) how many."""
+        roles: dict[str, dict[str, object]] = {}
         for role, pool in self.pools.items():
-            roles[role] = {
-                "in": [i.url for i in pool.instances if not i.is_ejected],
-                "out": [i.url for i in pool.instances if i.is_ejected],
-            }
+            ins = [i.url for i in pool.instances if not i.is_ejected]
+            outs = [i.url for i in pool.instances if i.is_ejected]
+            roles[role] = {"in": ins, "out": outs} if with_urls else {"in": len(ins),
+                                                                      "out": len(outs)}
         is_ok = all(self.pools[r].healthy for r in self.required)
         degraded = any(pool.healthy != pool.instances for pool in self.pools.values())
         status = "unavailable" if not is_ok else "degraded" if degraded else "ok"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epdctl.engines.guard import KEY_ENV
+from epdctl.keys import has_api_key
 from epdctl.proxy.config import API_KEY_ENV, UPSTREAM_KEY_ENV
 from epdctl.topology import Topology
 
@@ -208,7 +209,7 @@ def config_map(topology: Topology, text: str) -> Obj:
 
 def api_key_env(topology: Topology, *names: str) -> list[Obj]:
     """Env entries that read proxy.api_key from its Secret (none without an api_key)."""
-    if not topology.proxy.api_key:
+    if not has_api_key(topology.proxy):
         return []
     ref = {"name": f"{topology.name}-proxy-api-key", "key": "api-key"}
     return [{"name": name, "valueFrom": {"secretKeyRef": ref}} for name in names]

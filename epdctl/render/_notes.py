@@ -7,6 +7,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from epdctl import cache
+from epdctl.keys import env_name, has_api_key, literal_key
 from epdctl.plan import Plan
 from epdctl.render import _volumes as v
 from epdctl.topology import Topology
@@ -137,10 +138,17 @@ def notes(
         f"The proxy runs `python3 -m epdctl.proxy` with one URL per pod (stable StatefulSet "
         f"DNS names): the image ({options.image}) must have epdctl installed."
     )
-    if topology.proxy.api_key:
-        lines.append(
-            f"proxy.api_key is in Secret {topology.name}-proxy-api-key, not in the ConfigMap."
-        )
+    secret = f"{topology.name}-proxy-api-key"
+    if literal_key(topology.proxy):
+        lines.append(f"proxy.api_key is in Secret {secret}, not in the ConfigMap.")
+    elif topology.proxy.api_key_file is not None:
+        lines.append(f"Create Secret {secret} from proxy.api_key_file (the key is not "
+                     f"rendered): kubectl create secret generic {secret} "
+                     f"--from-file=api-key={topology.proxy.api_key_file}")
+    elif (name := env_name(topology.proxy)) is not None:
+        lines.append(f"Create Secret {secret} from ${name} (the key is not rendered): "
+                     f"kubectl create secret generic {secret} --from-literal=api-key=\"${name}\"")
+    if has_api_key(topology.proxy):
         lines.append(
             "The instances require proxy.api_key too (VLLM_API_KEY from that Secret; the "
             "proxy sends it), but vLLM checks it on /v1 routes only: keep other pods from "

@@ -9,6 +9,7 @@ from typing import Any
 
 from epdctl import cache
 from epdctl.errors import RenderError
+from epdctl.keys import literal_key
 from epdctl.plan import LaunchSpec, plan, proxy_config
 from epdctl.render import _manifests as m
 from epdctl.render import _volumes
@@ -176,7 +177,7 @@ def render_k8s(topology: Topology, source_text: str, options: K8sOptions) -> Ren
     urls = {s.url: role.pod_url(int(s.name.rsplit("-", 1)[1]))
             for role in roles for s in local.instances if s.role == role.role}
     objects = [m.config_map(topology, _redacted(topology, source_text))]
-    if topology.proxy.api_key:
+    if literal_key(topology.proxy):  # else its user creates the Secret (see the notes)
         objects.append(m.api_key_secret(topology))
     for role in roles:
         objects += m.engine_objects(topology, role, options.image)
@@ -216,7 +217,7 @@ def _mooncake(topology: Topology, roles: list[m.EngineRole], options: K8sOptions
 
 def _redacted(topology: Topology, source_text: str) -> str:
     """The topology text for the ConfigMap; the proxy's api_key goes to a Secret instead."""
-    if not topology.proxy.api_key:
+    if not literal_key(topology.proxy):
         return source_text
     import yaml
 

@@ -29,7 +29,7 @@ class FakeRunChecks:
         self.answer = list(CHECKS)
         self.calls: list[tuple] = []
 
-    def __call__(self, topology, state_root) -> list[Check]:
+    def __call__(self, topology, state_root, topology_path=None) -> list[Check]:
         self.calls.append((topology, state_root))
         return list(self.answer)
 

@@ -13,7 +13,7 @@ from tests.doctor.fakes import FakeRunner, disk, gpu, topology
 
 ENV_ONLY = ["vllm", "plugin", "gpus", "ec-store"]
 ALL = ["vllm", "plugin", "kv-connector", "ec-connector", "gpus", "placement", "gpu-memory",
-       "ec-store", "ports", "model", "combination"]
+       "ec-store", "ports", "model", "combination", "safety"]
 
 
 def _runner(modules: dict[str, str | None] | None = None) -> FakeRunner:
@@ -78,7 +78,7 @@ def test_cpu_topology(tmp_path: Path) -> None:
         "vllm": "ok", "plugin": "ok", "kv-connector": "skip", "ec-connector": "skip",
         "gpus": "skip", "placement": "ok",
         "gpu-memory": "skip", "ec-store": "ok", "ports": "ok", "model": "ok",
-        "combination": "ok"}
+        "combination": "ok", "safety": "ok"}
 
 
 def test_epd_on_too_few_gpus(tmp_path: Path) -> None:

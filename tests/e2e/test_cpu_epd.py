@@ -129,7 +129,8 @@ def test_the_proxy_answers_as_decode_does(epd: tuple[TopologyRun, Server]) -> No
     vLLM's refusals, straight to decode-0 and through the proxy: same status, body, outputs."""
     run, _ = epd
     with missing_image() as missing:
-        assert compare(run.instance_url("decode-0"), run.proxy_url, missing) == {}
+        assert compare(run.instance_url("decode-0"), run.proxy_url, missing,
+                       direct_key=run.state().internal_key) == {}
 
 
 def test_responses_image_is_loaded_from_the_store(epd: tuple[TopologyRun, Server]) -> None:

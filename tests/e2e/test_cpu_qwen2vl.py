@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from epdctl.proxy.config import UPSTREAM_KEY_ENV
 from tests.e2e.topology_run import (
     MEDIA_PROBE,
     TopologyRun,
@@ -70,6 +71,7 @@ def plain_proxy(qwen: tuple[TopologyRun, Server]) -> Iterator[str]:
         [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
          "--encode", specs["encode-0"].url, "--prefill-decode", specs["pd-0"].url,
          "--no-metadata-rewrite"],
+        env={**os.environ, UPSTREAM_KEY_ENV: run.state().internal_key},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"

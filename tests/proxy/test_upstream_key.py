@@ -55,3 +55,27 @@ def test_the_internal_key_is_read_from_the_environment_only(
     assert parse_argv(config.to_argv()) == config
     monkeypatch.delenv(UPSTREAM_KEY_ENV)
     assert parse_argv(config.to_argv()).upstream_api_key is None
+
+
+@pytest.mark.parametrize("api_key", [None, "outside"])
+async def test_health_shows_urls_only_to_a_keyed_caller(rig_factory, api_key) -> None:
+    """Anyone may probe /health (roles and counts); which URLs lie behind it is for the
+    run's own tools (the internal key) and clients with the api_key."""
+    rig = rig_factory(encode=("http://e0",), upstream_api_key=KEY, api_key=api_key)
+    anonymous = await rig.client.get("/health")
+    assert anonymous.status_code == 200
+    assert anonymous.json()["roles"] == {"encode": {"in": 1, "out": 0},
+                                         "prefill_decode": {"in": 1, "out": 0}}
+    assert "http://" not in anonymous.text
+    wrong = await rig.client.get("/health", headers={"authorization": "Bearer nope"})
+    assert "http://" not in wrong.text
+    keys = [KEY] + ([api_key] if api_key else [])
+    for key in keys:
+        shown = await rig.client.get("/health", headers={"authorization": f"Bearer {key}"})
+        assert shown.json()["roles"]["encode"] == {"in": ["http://e0"], "out": []}
+
+
+async def test_a_proxy_without_keys_shows_its_urls(rig_factory) -> None:
+    """Run alone before URLs its user gave it: nothing to hide from that user."""
+    rig = rig_factory(encode=("http://e0",))
+    assert (await rig.client.get("/health")).json()["roles"]["encode"]["in"] == ["http://e0"]

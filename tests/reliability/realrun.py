@@ -128,9 +128,13 @@ def body(model: str, *, urls: tuple[str, ...] = (), uuid_: str | None = None,
             "temperature": 0.0, "max_tokens": 16, **extra}
 
 
-def answer(base: str, request: dict[str, Any], timeout_s: float = 120) -> str:
-    """POST to base's chat route; the text of a 200 answer (anything else fails the test)."""
-    reply = httpx.post(f"{base}/v1/chat/completions", json=request, timeout=timeout_s)
+def answer(base: str, request: dict[str, Any], timeout_s: float = 120,
+           key: str | None = None) -> str:
+    """POST to base's chat route (with `key`: an instance wants the run's internal key); the
+    text of a 200 answer (anything else fails the test)."""
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    reply = httpx.post(f"{base}/v1/chat/completions", json=request, timeout=timeout_s,
+                       headers=headers)
     assert reply.status_code == 200, reply.text
     text = reply.json()["choices"][0]["message"]["content"]
     assert text
@@ -168,10 +172,16 @@ class Probe:
 
     def health(self) -> tuple[int, dict[str, Any]]:
         try:
-            reply = httpx.get(f"{self.proxy}/health", timeout=5)
+            reply = httpx.get(f"{self.proxy}/health", timeout=5,  # as epdctl's tools see it
+                              headers={"authorization": f"Bearer {self.key}"})
         except httpx.HTTPError:
             return 0, {}
         return reply.status_code, reply.json()
+
+    @property
+    def key(self) -> str:
+        """The run's internal key: what an instance asks of a request sent straight to it."""
+        return str(self.run.state().internal_key)
 
     def encoders_out(self) -> list[str]:
         return list(self.health()[1].get("roles", {}).get("encode", {}).get("out", []))

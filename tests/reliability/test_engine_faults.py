@@ -79,7 +79,7 @@ def reference(probe: Probe, seed: int) -> str:
     if seed not in REFERENCES:
         key, url = image(seed)
         REFERENCES[seed] = answer(probe.urls["pd-0"], body(MODEL, urls=(url,),
-                                                           uuid_=f"ref-{key}"))
+                                                           uuid_=f"ref-{key}"), key=probe.key)
     return REFERENCES[seed]
 
 
@@ -227,7 +227,8 @@ def _longest(probe: Probe) -> dict[str, Any]:
     """A text request that generates up to the context length (no EOS can end it early)."""
     request = body(MODEL, text="Tell me a long story.", ignore_eos=True)
     size = httpx.post(f"{probe.urls['pd-0']}/tokenize", json={
-        "model": MODEL, "messages": request["messages"]}, timeout=30).json()
+        "model": MODEL, "messages": request["messages"]}, timeout=30,
+        headers={"authorization": f"Bearer {probe.key}"}).json()
     return {**request, "max_tokens": size["max_model_len"] - size["count"]}
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
+from epdctl.proxy.config import UPSTREAM_KEY_ENV
 from tests.e2e.topology_run import TopologyRun
 from tests.reliability.helpers import wait_for
 from tests.reliability.realrun import (
@@ -99,6 +100,8 @@ def evicting_proxy(run: TopologyRun, entries: Path) -> Iterator[tuple[str, list[
             data = self.rfile.read(length) if length else None
             conn = http.client.HTTPConnection("127.0.0.1", e_port, timeout=60)
             headers = {"content-type": "application/json"} if data else {}
+            if self.headers.get("authorization"):  # the run's internal key, E wants it
+                headers["authorization"] = self.headers["authorization"]
             conn.request(method, self.path, data, headers)
             reply = conn.getresponse()
             payload = reply.read()
@@ -127,6 +130,7 @@ def evicting_proxy(run: TopologyRun, entries: Path) -> Iterator[tuple[str, list[
         [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
          "--encode", f"http://127.0.0.1:{shim.server_address[1]}",
          "--prefill-decode", f"http://127.0.0.1:{specs['pd-0'].port}"],
+        env={**os.environ, UPSTREAM_KEY_ENV: run.state().internal_key},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -149,7 +153,8 @@ def test_missing_entries_with_the_metadata_rewrite(run: TopologyRun) -> None:
     probe = Probe(run)
     store = Store(run.cache_dir, run.state().namespace)
     seeds = (801, 802, 803, 804)
-    refs = [answer(probe.urls["pd-0"], body(MODEL, urls=(image(s)[1],), uuid_=f"ref-{s}"))
+    refs = [answer(probe.urls["pd-0"], body(MODEL, urls=(image(s)[1],), uuid_=f"ref-{s}"),
+                   key=probe.key)
             for s in seeds]
 
     def ask(seed: int, *, stream: bool) -> str:
@@ -294,7 +299,8 @@ def test_mixed_load_loses_nothing(run: TopologyRun) -> None:
 
     probe = Probe(run)
     store = Store(run.cache_dir, run.state().namespace)
-    reference = answer(probe.urls["pd-0"], body(MODEL, urls=(image(77)[1],), uuid_="ref-77"))
+    reference = answer(probe.urls["pd-0"], body(MODEL, urls=(image(77)[1],), uuid_="ref-77"),
+                       key=probe.key)
 
     load = Load(probe.proxy)
     load.drive(WARMUP_S, "warm")  # first requests allocate; measure memory after them

@@ -50,7 +50,11 @@ class Run:
         return int(self.state["records"][name]["pid"])
 
     def health(self) -> dict[str, Any]:
-        return dict(httpx.get(f"{self.url}/health", timeout=5).json())
+        """The proxy's /health as epdctl's own tools see it (with the run's internal key)."""
+        proxy = next(s for s in self.state["specs"] if s["role"] == "proxy")
+        key = proxy["env"]["EPDCTL_PROXY_UPSTREAM_KEY"]
+        return dict(httpx.get(f"{self.url}/health", timeout=5,
+                              headers={"authorization": f"Bearer {key}"}).json())
 
     def status(self) -> dict[str, Any]:
         result = epdctl(self.env, "status", "--json")
