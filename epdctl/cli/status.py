@@ -83,6 +83,7 @@ def cache_line(cache: dict[str, Any]) -> str | None:
 
 def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
     """The `status --json` document (stable keys)."""
+    from epdctl.safety import run_safety
     from epdctl.state import process_matches
 
     now = time.time()
@@ -98,6 +99,7 @@ def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
         "error": state.error,
         "instances": instances,
         "cache": _cache(state),
+        "safety": run_safety(state),
     }
 
 
@@ -134,6 +136,9 @@ def status(app: App, ctx: click.Context, name: str | None, as_json: bool,
         line = cache_line(doc["cache"])
         if line:
             app.out.print(line, markup=False, highlight=False)
+        from epdctl.safety import safety_line
+
+        app.out.print(safety_line(doc["safety"]), markup=False, highlight=False)
         if doc["error"]:
             app.err.print(doc["error"], markup=False)
     ctx.exit(0 if doc["ready"] else 1)

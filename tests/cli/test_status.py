@@ -21,7 +21,11 @@ def test_status_json_then_table_then_exited(epdctl, fake_topology, state_root, t
     assert result.exit_code == 0
     doc = json.loads(result.stdout)
     assert list(doc) == ["name", "phase", "mode", "model", "topology", "state_dir", "proxy_url",
-                         "supervisor", "ready", "error", "instances", "cache"]
+                         "supervisor", "ready", "error", "instances", "cache", "safety"]
+    # Every run keys its engines, and the store is epdctl's alone; this proxy has no key.
+    assert doc["safety"] == {"engines_keyed": True, "store_dir": _store_dir(state_root),
+                             "store_private": True, "proxy_keyed": False,
+                             "proxy_host": "127.0.0.1"}
     assert (doc["name"], doc["phase"], doc["mode"], doc["ready"]) == ("fake", "running", "e-pd",
                                                                       True)
     assert doc["topology"] == str(topo) and doc["supervisor"] == {"pid": pids["supervisor"],
@@ -79,14 +83,16 @@ def test_status_shows_the_proxys_store_hit_ratio(epdctl, fake_topology, state_ro
                             "hit_ratio": 0.75}
     assert doc["cache"]["namespace"].startswith("fake-")
     lines = epdctl("status").stdout.splitlines()
-    assert lines[-1] == ("encoder cache: 75% hit (3 of 4 media items were in the store and "
+    assert lines[-1] == (f"safety: engines keyed; store private at {_store_dir(state_root)}; "
+                         "proxy open to local users (no proxy.api_key)")
+    assert lines[-2] == ("encoder cache: 75% hit (3 of 4 media items were in the store and "
                          "skipped the encoder)")
     pd = StatsWriter(_store_dir(state_root), "pd-0-scheduler")  # PD's waits (overlap)
     pd.add(waits=2, wait_s=0.05, expired=1)
     pd.close()
     assert json.loads(epdctl("status", "--json").stdout)["cache"]["waits"] == 2
     lines = epdctl("status").stdout.splitlines()
-    assert lines[-1] == ("overlap: PD waited for 2 items E was still encoding (mean 25 ms; 1 "
+    assert lines[-2] == ("overlap: PD waited for 2 items E was still encoding (mean 25 ms; 1 "
                          "encoded by PD itself after E failed or ran late)")
     assert epdctl("down").exit_code == 0
 
