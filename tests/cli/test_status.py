@@ -48,7 +48,7 @@ def test_status_json_then_table_then_exited(epdctl, fake_topology, state_root, t
                                 "RSS"]
     assert lines[2].split()[:6] == ["pd-0", "prefill_decode", "-", str(doc["instances"][1]["port"]),
                                     str(pids["pd-0"]), "ready"]
-    assert len(lines) == 4  # no cache line before the proxy has looked anything up
+    assert len(lines) == 5 and lines[-1].startswith("safety: engines keyed")  # no cache line yet
 
     # No restart policy: the supervisor stops everything when pd-0 dies.
     os.killpg(pids["pd-0"], signal.SIGKILL)
