@@ -244,3 +244,21 @@ def test_the_cli_defaults_to_the_topologys_network_connector(epdctl, tmp_path) -
     assert result.exit_code == 0, result.stderr
     assert '"ec_connector":"ECCPUConnector"' in result.stdout
     assert "--ec-protocol" not in result.stdout
+
+
+@pytest.mark.parametrize(("proxy", "command"), [
+    ({"api_key_file": "/run/keys/proxy"}, "--from-file=api-key=/run/keys/proxy"),
+    ({"api_key": "${PROXY_KEY}"}, '--from-literal=api-key="$PROXY_KEY"'),
+])
+def test_a_key_from_a_file_or_the_environment_is_never_rendered(proxy, command) -> None:
+    """render cannot and must not read it: no Secret object, the notes say how to make it,
+    and the pods read it from that Secret as they would a literal key's."""
+    rendering = render_k8s(parse_topology({**E_P_D, "proxy": proxy}), "name: epd\n",
+                           K8sOptions(ec_connector=CPU_EC))
+    assert "Secret" not in {o["kind"] for o in rendering.objects}
+    note = next(n for n in rendering.notes if "kubectl create secret" in n)
+    assert "generic epd-proxy-api-key" in note and command in note
+    ref = {"secretKeyRef": {"name": "epd-proxy-api-key", "key": "api-key"}}
+    env = _container(_by(rendering, "Deployment")["epd-proxy"])["env"]
+    assert {e["name"]: e["valueFrom"] for e in env} == {
+        "EPDCTL_PROXY_API_KEY": ref, "EPDCTL_PROXY_UPSTREAM_KEY": ref}
