@@ -328,3 +328,20 @@ def test_fuzzed_mixes_each_distinct_item_once_to_e_and_keyed_on_pd(fuzz_rig, mes
             assert sent == {**original, "uuid": k}
     assert all(not p.get("uuid", "").startswith(CLIENT_PREFIX) or p["uuid"] in wanted
                for p in got)
+
+
+async def test_each_entry_is_listed_with_its_modality(rig_factory, tmp_path: Path):
+    """The proxy keeps every item's modality beside its entry (with metadata or none), for
+    `cache inspect --entries`; a later lookup is no hit from a metadata-less sidecar."""
+    from epdctl.cache.listing import list_entries
+
+    store = Store(tmp_path, "demo-0123456789ab").create()
+    fakes = Fakes(metadata_by_type={"video_url": VIDEO_GRID}, store=store)
+    rig = rig_factory(fakes, encode=("http://e0",), store_dir=str(tmp_path),
+                      namespace=store.namespace)
+    content = [part("video_url", MP4), part("input_audio", WAV), part("image_url", PNG)]
+    assert (await rig.chat(content)).status_code == 200
+    rig.proxy.lookup.scan()
+    listed = {e.key: e.modality for e in list_entries(tmp_path, store.namespace)}
+    assert listed == {key("video_url", MP4): "video", key("input_audio", WAV): "audio",
+                      key("image_url", PNG): "image"}
