@@ -96,10 +96,19 @@ def b64decode(text: str, what: str) -> bytes:
 
 
 def data_url_bytes(url: str, what: str) -> bytes:
-    """The decoded payload of a `data:<mime>;base64,<data>` URL."""
+    """The decoded payload of a `data:<mime>;base64,<data>` URL.
+
+    vLLM's `video/jpeg` form is a list of base64 frames joined by commas: its bytes are each
+    frame's, length-prefixed (so no two frame lists give the same bytes)."""
     head, sep, data = url.partition(",")
     if not sep or not head.endswith(";base64"):
         raise bad_request(f"{what}: only base64 data URLs are supported")
+    if head[5:].lower() == "video/jpeg;base64" and "," in data:
+        frames = [b64decode(frame, what) for frame in data.split(",")]
+        payload = b"".join(len(f).to_bytes(8, "big") + f for f in frames)
+        if not all(frames):
+            raise bad_request(f"{what} has an empty frame")
+        return payload
     payload = b64decode(data, what)
     if not payload:
         raise bad_request(f"{what} is empty")

@@ -345,3 +345,17 @@ async def test_each_entry_is_listed_with_its_modality(rig_factory, tmp_path: Pat
     listed = {e.key: e.modality for e in list_entries(tmp_path, store.namespace)}
     assert listed == {key("video_url", MP4): "video", key("input_audio", WAV): "audio",
                       key("image_url", PNG): "image"}
+
+
+def test_a_video_as_a_list_of_frames_is_keyed_by_its_frames():
+    """vLLM's `video/jpeg` data URL (base64 frames joined by commas) is keyed, not passed
+    through unkeyed: same frames, same key; other frames or another split, another key."""
+    from epdctl.proxy.media import data_url_bytes
+
+    def frames(*parts: bytes) -> str:
+        return "data:video/jpeg;base64," + ",".join(b64(p) for p in parts)
+
+    one = data_url_bytes(frames(PNG, PNG + b"2"), "v")
+    assert one == data_url_bytes(frames(PNG, PNG + b"2"), "v")
+    assert one != data_url_bytes(frames(PNG + b"2", PNG), "v")
+    assert data_url_bytes(frames(b"ab", b"c"), "v") != data_url_bytes(frames(b"a", b"bc"), "v")
