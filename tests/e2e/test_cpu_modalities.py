@@ -55,17 +55,23 @@ class Case:
     model_fixture: str
     model: str
     consumers: tuple[str, ...]
+    """Never run the encoder on an item; the first loads each one. (Decode in E|P|D loads
+    only for prompt tokens the transferred KV does not cover, so maybe not at all.)"""
     baseline_args: tuple[str, ...]
+    modalities: frozenset[str] = frozenset({"image", "video"})
 
 
 VL_ARGS = ("--limit-mm-per-prompt", '{"image": 2, "video": 2}')
+AUDIO_ARGS = ("--limit-mm-per-prompt", '{"audio": 2}', "--max-model-len", "1024",
+              "--max-num-batched-tokens", "1024")
 CASES = {
     "qwen2vl-e-pd": Case("cpu-qwen2vl", "tiny_qwen2vl", "tiny-qwen2vl", ("pd-0",), VL_ARGS),
     "qwen2vl-e-p-d": Case("cpu-qwen2vl-epd", "tiny_qwen2vl", "tiny-qwen2vl",
                           ("prefill-0", "decode-0"), VL_ARGS),
     "audio-e-pd": Case("cpu-audio", "tiny_qwen2audio", "tiny-qwen2audio", ("pd-0",),
-                       ("--limit-mm-per-prompt", '{"audio": 2}', "--max-model-len", "1024",
-                        "--max-num-batched-tokens", "1024")),
+                       AUDIO_ARGS, frozenset({"audio"})),
+    "audio-e-p-d": Case("cpu-audio-epd", "tiny_qwen2audio", "tiny-qwen2audio",
+                        ("prefill-0", "decode-0"), AUDIO_ARGS, frozenset({"audio"})),
 }
 
 
@@ -87,7 +93,7 @@ def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
          ) -> Iterator[Running]:
     """The case's topology with free ports, a private store and DEBUG logs, and a baseline."""
     case = CASES[request.param]
-    if case.topology == "cpu-audio":
+    if "audio" in case.modalities:
         pytest.importorskip("soundfile", reason="vLLM decodes audio with soundfile (setup-cpu.sh)")
     model = request.getfixturevalue(case.model_fixture)
     tmp = tmp_path_factory.mktemp(request.param)
@@ -134,18 +140,18 @@ AUDIO_REQUESTS: Requests = {
 
 
 def requests_of(case: Case) -> Requests:
-    return AUDIO_REQUESTS if case.topology == "cpu-audio" else VL_REQUESTS
+    return AUDIO_REQUESTS if "audio" in case.modalities else VL_REQUESTS
 
 
 def check_encoded_then_loaded(topo: Running, parts: list[Part], marks: dict[str, int]) -> None:
     """E encoded every item; every consumer loaded (never encoded) it; each entry has a hit."""
-    run = topo.run
+    run, first = topo.run, topo.case.consumers[0]
     for key in {key_of(p) for p in parts}:
         done = f"Finish execute for mm hash {key}"
         assert wait_for(lambda k=done: k in run.log("encode-0")[marks["encode-0"]:]), key
+        loaded = f"Success load encoder cache for hash {key}"
+        assert wait_for(lambda k=loaded: k in run.log(first)[marks[first]:]), (first, key)
         for name in topo.case.consumers:
-            loaded = f"Success load encoder cache for hash {key}"
-            assert wait_for(lambda n=name, k=loaded: k in run.log(n)[marks[n]:]), (name, key)
             assert done not in run.log(name), (name, key)
         entry = wait_for(lambda k=key: (e := cache_entry(run, k)) and e["hits"] >= 1 and e)
         assert entry, key
@@ -175,8 +181,8 @@ def test_rewritten_parts_carry_the_models_metadata(topo: Running) -> None:
     from epdctl.cache.sidecar import read_meta
     from epdctl.cache.store import Store
 
-    field = {"cpu-audio": ("audio", "audio_num_tokens")}.get(
-        topo.case.topology, ("video", "video_grid_thw"))
+    field = ("audio", "audio_num_tokens") if "audio" in topo.case.modalities else (
+        "video", "video_grid_thw")
     make = make_wav if field[0] == "audio" else make_video
     parts = [audio_url_part(make(40))] if field[0] == "audio" else [video_part(make(40))]
     assert topo.ask(parts) == topo.reference(parts)
@@ -185,10 +191,28 @@ def test_rewritten_parts_carry_the_models_metadata(topo: Running) -> None:
     assert kept and kept["metadata"][field[1]], kept
 
 
-@only("qwen2vl-e-pd", "qwen2vl-e-p-d")
-def test_a_repeated_video_makes_no_second_e_request(topo: Running) -> None:
+def test_verify_sends_every_modality_the_topology_takes(topo: Running) -> None:
+    """`verify --baseline-url`: its prompts of each modality the engines let in (and no
+    other) answer as the baseline's, and P/PD loaded their media from the EC store."""
     run = topo.run
-    parts = [video_part(make_video(50))]
+    result = run.cli("verify", str(run.path), "--baseline-url", topo.baseline.url, "--json",
+                     timeout_s=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is True and all(p["equal"] for p in doc["prompts"])
+    sent = {m for p in doc["prompts"] for m, n in (("image", p["images"]),
+                                                  ("video", p["videos"]),
+                                                  ("audio", p["audios"])) if n}
+    assert sent == topo.case.modalities
+    with_media = [p for p in doc["prompts"] if p["images"] or p["videos"] or p["audios"]]
+    assert all(p["cache"]["verdict"] == "hit" for p in with_media), with_media
+
+
+def test_a_repeated_video_or_clip_makes_no_second_e_request(topo: Running) -> None:
+    """The repeat's item is found in the store: E gets nothing, PD the kept metadata."""
+    run = topo.run
+    is_audio = "audio" in topo.case.modalities
+    parts = [input_audio_part(make_wav(50))] if is_audio else [video_part(make_video(50))]
     expected = topo.reference(parts)
     e_start = len(run.log("encode-0"))
     assert topo.ask(parts, extra_body={"cache_salt": "first"}) == expected
@@ -251,7 +275,9 @@ def test_e_sigkilled_during_video_requests_loses_none(topo: Running) -> None:
 
 
 def instances(run: TopologyRun) -> dict[str, dict[str, Any]]:
-    return {i["name"]: i for i in run.cli_json("status")["instances"]}
+    """`status --json` by instance (it exits non-zero while one is not ready)."""
+    result = run.cli("status", "--json")
+    return {i["name"]: i for i in json.loads(result.stdout)["instances"]}
 
 
 def proxy_health(run: TopologyRun) -> dict[str, object]:
