@@ -227,6 +227,27 @@ def test_a_repeated_video_or_clip_makes_no_second_e_request(topo: Running) -> No
             now["sent"] - counted["sent"]) == (1, 1, 0)
 
 
+@only("qwen2vl-e-pd", "audio-e-pd")
+def test_a_modality_the_model_does_not_take_is_vllms_own_400(topo: Running) -> None:
+    """An audio clip to Qwen2-VL, a video to Qwen2-Audio: the proxy's answer is the
+    aggregated server's refusal, status and message."""
+    import httpx
+
+    part = video_part(make_video(80)) if "audio" in topo.case.modalities else \
+        audio_url_part(make_wav(80))
+
+    def post(url: str, model: str) -> httpx.Response:
+        body = {"model": model, "max_tokens": 4, "messages": [
+            {"role": "user", "content": [part, {"type": "text", "text": "hi"}]}]}
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+    mine = post(topo.run.proxy_url, topo.case.model)
+    theirs = post(topo.baseline.url, topo.baseline.model)
+    assert theirs.status_code == 400, theirs.text
+    assert mine.status_code == 400, mine.text
+    assert mine.json()["error"]["message"] == theirs.json()["error"]["message"]
+
+
 @only("qwen2vl-e-pd")
 def test_a_client_uuid_cannot_alias_another_videos_entry(topo: Running) -> None:
     """Video B sent with a uuid equal to video A's content key (and A with a client uuid
