@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 MAX_TOKENS = 16
+VIDEO_FRAMES = 4
 REQUEST_TIMEOUT_S = 300.0
 # The consumer's stats writer flushes at most once a second, so a hit can show up that late.
 STATS_WAIT_S = 3.0
@@ -20,12 +21,20 @@ STATS_WAIT_S = 3.0
 
 @dataclass(frozen=True)
 class Prompt:
-    """One request of the fixed set: text, the seeds of its generated images, streamed or not."""
+    """One request of the fixed set: text, the seeds of its generated images (videos, audio
+    clips), streamed or not."""
 
     name: str
     text: str
     images: tuple[int, ...] = ()
     is_streamed: bool = False
+    videos: tuple[int, ...] = ()
+    audios: tuple[int, ...] = ()
+
+    @property
+    def modalities(self) -> set[str]:
+        return {m for m, seeds in (("image", self.images), ("video", self.videos),
+                                   ("audio", self.audios)) if seeds}
 
 
 PROMPTS: tuple[Prompt, ...] = (
@@ -39,7 +48,37 @@ PROMPTS: tuple[Prompt, ...] = (
     Prompt("repeated image", "Describe the image in a few words.", (1,)),
     Prompt("repeated image, streamed", "Which colours does the image show?", (1,),
            is_streamed=True),
+    # For a model that takes videos (e.g. Qwen2-VL) or audio (e.g. Qwen2-Audio).
+    Prompt("one video", "What happens in the video?", videos=(1,)),
+    Prompt("an image and a video", "Does the image appear in the video?", (5,), videos=(2,)),
+    Prompt("repeated video, streamed", "Describe the video in a few words.", videos=(1,),
+           is_streamed=True),
+    Prompt("one audio clip", "What is in the audio?", audios=(1,)),
+    Prompt("two audio clips", "Which clip is higher?", audios=(2, 3)),
+    Prompt("repeated audio clip, streamed", "Describe the sound.", audios=(1,),
+           is_streamed=True),
 )
+
+
+def prompts_for(modalities: set[str]) -> tuple[Prompt, ...]:
+    """The fixed prompts whose media are all of these modalities (text only: always)."""
+    return tuple(p for p in PROMPTS if p.modalities <= modalities)
+
+
+def taken_modalities(args: Sequence[str]) -> set[str]:
+    """The modalities an engine's `--limit-mm-per-prompt` lets in (a limit above 0); images
+    alone without the flag (or with one in a form not read here)."""
+    from epdctl.topology import flag_value
+
+    value = flag_value(args, "--limit-mm-per-prompt")
+    try:
+        limits = json.loads(value) if value else None
+    except ValueError:
+        limits = None
+    if not isinstance(limits, dict):
+        return {"image"}
+    return {m for m, n in limits.items() if m in ("image", "video", "audio")
+            and (not isinstance(n, int) or n > 0)}
 
 
 @dataclass(frozen=True)
@@ -168,12 +207,17 @@ def chat_body(prompt: Prompt, model: str, max_tokens: int = MAX_TOKENS) -> dict[
     import uuid
 
     content: str | list[dict[str, Any]] = prompt.text
-    if prompt.images:
+    if prompt.modalities:
         content = [
             {"type": "image_url",
              "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(s)).decode()}}
             for s in prompt.images
         ]
+        content += [{"type": "video_url", "video_url": {"url": video_url(s)}}
+                    for s in prompt.videos]
+        content += [{"type": "input_audio",
+                     "input_audio": {"data": base64.b64encode(wav(s)).decode(), "format": "wav"}}
+                    for s in prompt.audios]
         content.append({"type": "text", "text": prompt.text})
     # A salt of its own per request keeps vLLM's prefix cache out of it: a repeated prompt
     # would otherwise be answered from P/PD's KV cache without asking the EC store.
@@ -185,11 +229,42 @@ def chat_body(prompt: Prompt, model: str, max_tokens: int = MAX_TOKENS) -> dict[
     return body
 
 
-def media_keys(prompt: Prompt) -> set[str]:
-    """The EC store keys the proxy gives this prompt's images (content hashes)."""
-    from epdctl.proxy.media import content_key
+def video_url(seed: int, frames: int = VIDEO_FRAMES) -> str:
+    """A video as vLLM's `video/jpeg` data URL takes it: base64 frames joined by commas (PNG
+    frames: vLLM opens each with PIL, whatever the declared type)."""
+    import base64
 
-    return {content_key("image", png(seed)) for seed in prompt.images}
+    return "data:video/jpeg;base64," + ",".join(
+        base64.b64encode(png(seed * 100 + n)).decode() for n in range(frames))
+
+
+def wav(seed: int, rate: int = 16000) -> bytes:
+    """A 16-bit mono WAV (stdlib only): a tone whose pitch and length follow the seed."""
+    import io
+    import math
+    import wave
+
+    count = rate * (2 + seed % 3) // 4
+    pitch = 220.0 * (1 + seed)
+    samples = struct.pack(f"<{count}h", *(
+        int(20000 * math.sin(2 * math.pi * pitch * n / rate)) for n in range(count)))
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(samples)
+    return buf.getvalue()
+
+
+def media_keys(prompt: Prompt) -> set[str]:
+    """The EC store keys the proxy gives this prompt's media (content hashes)."""
+    from epdctl.proxy.media import content_key, data_url_bytes
+
+    return ({content_key("image", png(seed)) for seed in prompt.images}
+            | {content_key("video", data_url_bytes(video_url(seed), "video"))
+               for seed in prompt.videos}
+            | {content_key("audio", wav(seed)) for seed in prompt.audios})
 
 
 Send = Callable[[str, dict[str, Any], Mapping[str, str]], ChatAnswer]
@@ -324,7 +399,7 @@ def run_prompts(
     send = send or send_chat
     results = []
     for prompt in prompts:
-        keys = media_keys(prompt) if probe is not None and prompt.images else set()
+        keys = media_keys(prompt) if probe is not None and prompt.modalities else set()
         before = probe.snapshot() if keys and probe is not None else None
         mine = send(topology.url, chat_body(prompt, topology.model), topology.headers)
         theirs = send(baseline.url, chat_body(prompt, baseline.model), baseline.headers)
@@ -342,7 +417,9 @@ def report(results: Sequence[Result], **meta: Any) -> dict[str, Any]:
         return {"text": a.text, "latency_s": round(a.latency_s, 4), "error": a.error}
 
     rows = [{
-        "name": r.prompt.name, "images": len(r.prompt.images), "stream": r.prompt.is_streamed,
+        "name": r.prompt.name, "images": len(r.prompt.images),
+        "videos": len(r.prompt.videos), "audios": len(r.prompt.audios),
+        "stream": r.prompt.is_streamed,
         "equal": r.is_equal, "ok": r.is_ok,
         "cache": None if r.cache is None else r.cache.to_json(),
         "topology": answer(r.topology), "baseline": answer(r.baseline),

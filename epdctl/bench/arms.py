@@ -191,14 +191,14 @@ def _role_args(topology: Topology, roles: Sequence[str]) -> list[list[str]]:
             if r in topology.roles]
 
 
-def image_limit(topology: Topology) -> int | None:
-    """The fewest images per prompt any instance accepts (`--limit-mm-per-prompt`); None:
-    not set (vLLM's default), or not in a form read here."""
+def image_limit(topology: Topology, modality: str = "image") -> int | None:
+    """The fewest images (or items of `modality`) per prompt any instance accepts
+    (`--limit-mm-per-prompt`); None: not set (vLLM's default), or not in a form read here."""
     limits = []
     for args in _role_args(topology, list(topology.roles)):
         value = flag_value(args, "--limit-mm-per-prompt")
         try:
-            limit = json.loads(value)["image"] if value else None
+            limit = json.loads(value)[modality] if value else None
         except (ValueError, KeyError, TypeError):
             limit = None
         if isinstance(limit, int):

@@ -57,7 +57,8 @@ class ArmRun:
 
 def greedy_prompts(limit: int | None) -> list[Prompt]:
     """verify's fixed prompts that fit the arms' image limit."""
-    return [p for p in PROMPTS if limit is None or len(p.images) <= limit]
+    return [p for p in PROMPTS if p.modalities <= {"image"}
+            and (limit is None or len(p.images) <= limit)]
 
 
 def run_arms(arms: Sequence[Arm], workload: Workload, state_root: Path, work_dir: Path, *,

@@ -69,6 +69,9 @@ class Workload:
     """Width and height in pixels."""
     input_len: int = 128
     output_len: int = 64
+    videos: int = 0
+    """Videos per request (random-mm: MP4s of `video_frames` frames of image_size)."""
+    video_frames: int = 4
     repeat: float = 0.0
     """Fraction of image items that repeat an earlier request's image (generated dataset)."""
     dataset: Path | None = None
@@ -92,6 +95,7 @@ class Workload:
         return {"kind": self.kind, "num_prompts": self.num_prompts, "seed": self.seed,
                 "images": self.images, "image_size": list(self.image_size),
                 "input_len": self.input_len, "output_len": self.output_len,
+                "videos": self.videos, "video_frames": self.video_frames,
                 "repeat": self.repeat, "dataset": str(self.dataset) if self.dataset else None,
                 "dataset_name": self.dataset_name if self.dataset else None,
                 "slo_ms": dict(self.slo), "points": [p.as_json() for p in self.points]}
@@ -159,6 +163,10 @@ def check(arms: Sequence[Arm], workload: Workload) -> None:
         if images is not None and limit is not None and images > limit:
             raise BenchError(f"the workload sends {images} image(s) per request; `{arm.name}` "
                              f"accepts at most {limit} (--limit-mm-per-prompt)")
+        videos = image_limit(arm.topology, "video")
+        if workload.videos and videos is not None and workload.videos > videos:
+            raise BenchError(f"the workload sends {workload.videos} video(s) per request; "
+                             f"`{arm.name}` accepts at most {videos} (--limit-mm-per-prompt)")
         length = max_model_len(arm.topology)
         need = workload.input_len + workload.output_len
         if workload.kind != "dataset" and length is not None and need > length:
@@ -226,18 +234,24 @@ def argv(command: Sequence[str], workload: Workload, index: int, *, url: str, mo
 
 
 def _dataset_args(workload: Workload, dataset: Path | None) -> list[str]:
-    if workload.kind == "random-mm" and workload.images == 0:
+    items = workload.images + workload.videos
+    if workload.kind == "random-mm" and items == 0:
         return ["--dataset-name", "random", "--random-input-len", str(workload.input_len),
                 "--random-output-len", str(workload.output_len)]
     if workload.kind == "random-mm":
         width, height = workload.image_size
+        # A bucket is (height, width, frames): 1 frame is an image, more a video; the
+        # per-modality limit makes the counts exact (vLLM moves on from a full modality).
+        buckets = {1: workload.images / items, workload.video_frames: workload.videos / items}
+        config = ", ".join(f"({height}, {width}, {frames}): {share}"
+                           for frames, share in buckets.items() if share)
         return ["--dataset-name", "random-mm", "--random-input-len", str(workload.input_len),
                 "--random-output-len", str(workload.output_len),
-                "--random-mm-base-items-per-request", str(workload.images),
+                "--random-mm-base-items-per-request", str(items),
                 "--random-mm-num-mm-items-range-ratio", "0",
                 "--random-mm-limit-mm-per-prompt",
-                json.dumps({"image": workload.images, "video": 0}),
-                "--random-mm-bucket-config", f"{{({height}, {width}, 1): 1.0}}"]
+                json.dumps({"image": workload.images, "video": workload.videos}),
+                "--random-mm-bucket-config", f"{{{config}}}"]
     name = "custom_image" if workload.kind == "generated" else workload.dataset_name
     args = ["--dataset-name", name, "--dataset-path", str(dataset or workload.dataset),
             "--custom-output-len", str(workload.output_len)]

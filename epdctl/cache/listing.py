@@ -8,6 +8,7 @@ from pathlib import Path
 
 from epdctl.cache._format import ENTRY_SUFFIX, PAGE_BYTES, FormatError, decode_header
 from epdctl.cache._scan import listdir, namespace_dirs, scan_entries
+from epdctl.cache.sidecar import read_modality, sidecar_of
 from epdctl.cache.stats import COUNTERS, read_stats
 from epdctl.cache.store import PINS
 
@@ -51,6 +52,9 @@ class EntryInfo:
     last_used: float
     pinned: bool
     hits: int
+    modality: str | None = None
+    """image, video or audio, as the proxy kept it beside the entry; None: unknown (saved
+    without the proxy, or before its next scan)."""
 
 
 def inspect(store_root: Path) -> list[NamespaceStats]:
@@ -106,6 +110,7 @@ def list_entries(store_root: Path, namespace: str) -> list[EntryInfo]:
                 last_used=e.mtime,
                 pinned=e.nlink > 1,
                 hits=key_hits.get(key, 0),
+                modality=read_modality(sidecar_of(e.path), key),
             )
         )
     return sorted(infos, key=lambda i: -i.last_used)

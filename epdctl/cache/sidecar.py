@@ -2,8 +2,10 @@
 
 The proxy sees E's answer, so the proxy writes it: when a later request's item is already in
 the store, the proxy skips E and still has what E reported (e.g. Qwen2-VL's `image_grid_thw`)
-to replace the media by `*_embeds` metadata. A sidecar without its entry means nothing: the
-janitor removes sidecars with their entries, and orphans past the grace period.
+to replace the media by `*_embeds` metadata. It also names the item's modality (image,
+video, audio), which `cache inspect --entries` shows: the entry itself does not know it.
+A sidecar without its entry means nothing: the janitor removes sidecars with their entries,
+and orphans past the grace period.
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ def entry_of(sidecar_path: str) -> str:
     return sidecar_path.removesuffix(META_SUFFIX) + ENTRY_SUFFIX
 
 
-def write_meta(store: Store, key: str, entry: dict[str, Any]) -> bool:
-    """Keep E's `ec_transfer_params` entry for `key` beside the store entry, atomically
-    (tmp, then rename); False when the store entry is gone or the write failed."""
+def write_meta(store: Store, key: str, entry: dict[str, Any],
+               modality: str | None = None) -> bool:
+    """Keep E's `ec_transfer_params` entry for `key` (and the item's modality) beside the
+    store entry, atomically (tmp, then rename); False when the store entry is gone or the
+    write failed."""
     if not store.has_entry(key):
         return False  # E did not save it (store full?): a sidecar alone is useless
-    body = json.dumps({"key": key, "namespace": store.namespace, "entry": entry},
-                      separators=(",", ":")).encode()
+    doc: dict[str, Any] = {"key": key, "namespace": store.namespace, "entry": entry}
+    if modality is not None:
+        doc["modality"] = modality
+    body = json.dumps(doc, separators=(",", ":")).encode()
     # `<name>.meta.<pid>.<n>`: the janitor reads the writer's pid from a tmp file's name.
     tmp = f"{store.tmp}/{key_filename(key)}.meta.{os.getpid()}.{next(_tmp_ids)}"
     try:
@@ -60,6 +66,19 @@ def write_meta(store: Store, key: str, entry: dict[str, Any]) -> bool:
             pass
         return False
     return True
+
+
+def read_modality(sidecar_path: str, key: str) -> str | None:
+    """The modality a sidecar names for `key`; None without one (or another key's)."""
+    try:
+        with open(sidecar_path, "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("key") != key:
+        return None
+    modality = data.get("modality")
+    return modality if isinstance(modality, str) else None
 
 
 def read_meta(store: Store, key: str) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ def _workload(opts: dict[str, Any]) -> Workload:
     return Workload(points=points, num_prompts=opts["num_prompts"], seed=opts["seed"],
                     images=opts["images"], image_size=parse_image_size(opts["image_size"]),
                     input_len=opts["input_len"], output_len=opts["output_len"], repeat=repeat,
+                    videos=opts["videos"], video_frames=opts["video_frames"],
                     dataset=dataset.absolute() if dataset else None,
                     dataset_name=opts["dataset_name"], slo=parse_slo(opts["slo"]))
 
@@ -79,7 +80,11 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
 @click.option("--images", type=click.IntRange(0), default=1, show_default=True,
               help="Images per request.")
 @click.option("--image-size", default="512x512", show_default=True,
-              metavar="WxH", help="Image size in pixels.")
+              metavar="WxH", help="Image size in pixels (video frames too).")
+@click.option("--videos", type=click.IntRange(0), default=0, show_default=True,
+              help="Videos per request (random MP4s of --video-frames frames).")
+@click.option("--video-frames", type=click.IntRange(2), default=4, show_default=True,
+              help="Frames per video.")
 @click.option("--input-len", type=click.IntRange(1), default=128, show_default=True,
               help="Text tokens per request (about, for the --repeat dataset).")
 @click.option("--output-len", type=click.IntRange(1), default=64, show_default=True,

@@ -80,7 +80,7 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     from epdctl.run import require_ready
     from epdctl.state import StateDir
     from epdctl.topology import load_topology, require_local_model
-    from epdctl.verify import Target, probe_for, report, run_prompts
+    from epdctl.verify import Target, probe_for, prompts_for, report, run_prompts, taken_modalities
 
     topology = load_topology(topology_path)
     require_local_model(topology)
@@ -116,8 +116,13 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
         probe = probe_for(state.ec_connector, Path(state.store_dir)) \
             if "encode" in topology.roles else None
         app.err.print(f"Sending the prompts to {mine.url} and {theirs.url}", markup=False)
-        results = run_prompts(mine, theirs, probe, on_result=lambda r: app.err.print(
-            f"  {r.prompt.name}: {'ok' if r.is_ok else 'FAILED'}", markup=False))
+        # Every modality the answering engines let in (--limit-mm-per-prompt), and only
+        # those: a modality the model does not take is vLLM's 400.
+        final = topology.roles.get("prefill_decode") or topology.roles.get("decode")
+        taken = taken_modalities([*topology.engine.args, *(final.args if final else [])])
+        results = run_prompts(
+            mine, theirs, probe, prompts_for(taken), on_result=lambda r: app.err.print(
+                f"  {r.prompt.name}: {'ok' if r.is_ok else 'FAILED'}", markup=False))
     finally:
         if baseline is not None:
             stop_all([baseline[1]])
@@ -164,7 +169,7 @@ def _cache_check(probe: Probe | None, has_encoder: bool) -> str | None:
 def _cache_line(state: RunState, results: Sequence[Result], check: str | None) -> str:
     """The end of verify's last line: what the EC transfer check showed."""
     uses = [r.cache for r in results if r.cache is not None]
-    with_images = sum(1 for r in results if r.prompt.images)
+    with_images = sum(1 for r in results if r.prompt.modalities)
     if check == "none" and with_images:
         return (f"; EC cache use not verified: {state.ec_connector} keeps nothing epdctl can "
                 "read (equal answers are all this shows)")

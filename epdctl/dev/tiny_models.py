@@ -1,9 +1,23 @@
 """Tiny multimodal models with random weights, built offline in seconds for CPU tests.
 
-Two recipes (see /work/shared/vllm-cpu.md): a LLaVA (CLIP + Llama, 56 px images, 16 image
-tokens) and a Qwen2-VL (M-RoPE, images capped at 112x112). Both share a byte-level BPE
-tokenizer trained in-process and a ChatML template. Builds are deterministic: the same
-recipe gives the same bytes, so the same image gives the same greedy output.
+Three recipes (see /work/shared/vllm-cpu.md): a LLaVA (CLIP + Llama, 56 px images, 16 image
+tokens), a Qwen2-VL (M-RoPE; images and videos, frames capped at 112x112) and a Qwen2-Audio
+(Whisper-style audio tower + Qwen2 LM; audio clips). All share a byte-level BPE tokenizer
+trained in-process and a ChatML template with a placeholder per modality the model takes.
+Builds are deterministic: the same recipe gives the same bytes, so the same item gives the
+same greedy output.
+
+Why Qwen2-Audio for audio (not Ultravox): vLLM 0.32's Qwen2-Audio keeps its whole audio
+tower behind `_mark_tower_model(..., "audio")` (vllm/model_executor/models/qwen2_audio.py,
+`Qwen2AudioForConditionalGeneration.__init__`), so an `ec_producer` runs it alone and a
+consumer loads its output by mm_hash like any image's; its data parser declares
+`audio_num_tokens` as the audio metadata (`Qwen2AudioMultiModalDataParser.embedding_fields`),
+so E reports it and the proxy can rewrite an audio part to `audio_embeds`. Its config and
+processor are plain transformers classes (`Qwen2AudioConfig`, `Qwen2AudioProcessor` with a
+`WhisperFeatureExtractor`), built offline; Ultravox needs a remote-code-style config whose
+text model vLLM resolves by name (`text_model_id`), which an offline build cannot give.
+The audio tower's input is fixed at 3000 mel frames (30 s, `Qwen2AudioFeatureInputs`), so
+one clip can take up to 750 tokens: the audio topology runs with `--max-model-len 1024`.
 
     python -m epdctl.dev.tiny_models llava   # -> ~/.cache/epdctl/tiny-models/llava (a symlink)
     python -m epdctl.dev.tiny_models qwen2vl --out DIR
@@ -26,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-KINDS = ("llava", "qwen2vl")
+KINDS = ("llava", "qwen2vl", "qwen2audio")
 CACHE_ENV = "EPDCTL_TINY_MODEL_DIR"
 STAMP = "epdctl-tiny-model.json"
 STALE_BUILD_S = 14 * 86400  # a build of another recipe unused this long is removed
@@ -36,6 +50,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>")
 QWEN_VISION_TOKENS = (
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
 )
+QWEN_AUDIO_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
 LLAVA_IMAGE_SIZE = 56
 QWEN_MAX_SIDE = 112
 PATCH = 14
@@ -48,12 +63,23 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' or part['type'] == 'image_url' %}IMAGE_PLACEHOLDER"
+    "{% elif part['type'] == 'video' or part['type'] == 'video_url' %}VIDEO_PLACEHOLDER"
+    "{% elif part['type'] in ('audio', 'audio_url', 'input_audio') %}AUDIO_PLACEHOLDER"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+
+def chat_template(image: str = "", video: str = "", audio: str = "") -> str:
+    """CHAT_TEMPLATE with each modality's placeholder text ('' where the model takes none:
+    vLLM refuses such a part before the template is applied)."""
+    return (CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", image)
+            .replace("VIDEO_PLACEHOLDER", video).replace("AUDIO_PLACEHOLDER", audio))
+
 
 _WORDS = (
     "the a an of to in is it on for with as by at from this that image picture photo "
@@ -202,7 +228,7 @@ def _llava(out: Path) -> None:
     processor = LlavaProcessor(
         image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH,
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", "<image>"),
+        chat_template=chat_template(image="<image>"),
     )
     processor.save_pretrained(str(out))
 
@@ -247,13 +273,65 @@ def _qwen2vl(out: Path) -> None:
         image_processor=Qwen2VLImageProcessor(size=pixels),
         video_processor=Qwen2VLVideoProcessor(size=pixels),
         tokenizer=tokenizer,
-        chat_template=CHAT_TEMPLATE.replace(
-            "IMAGE_PLACEHOLDER", "<|vision_start|><|image_pad|><|vision_end|>"),
+        chat_template=chat_template(
+            image="<|vision_start|><|image_pad|><|vision_end|>",
+            video="<|vision_start|><|video_pad|><|vision_end|>"),
     )
     processor.save_pretrained(str(out))
 
 
-_BUILDERS: dict[str, Callable[[Path], None]] = {"llava": _llava, "qwen2vl": _qwen2vl}
+def audio_weight_name(key: str) -> str:
+    """transformers 5's `model.audio_tower.*` / `model.language_model.*` / `lm_head.*` as
+    vLLM's Qwen2-Audio loader names them (it has no mapper): `audio_tower.*`,
+    `language_model.model.*`, `language_model.lm_head.*`."""
+    for old, new in (("model.language_model.", "language_model.model."),
+                     ("model.", ""), ("lm_head.", "language_model.lm_head.")):
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def _qwen2audio(out: Path) -> None:
+    import torch
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        WhisperFeatureExtractor,
+    )
+
+    tokenizer = _hf_tokenizer(QWEN_AUDIO_TOKENS)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2AudioConfig(
+        audio_config={
+            "d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 128, "num_mel_bins": 128, "max_source_positions": 1500,
+        },
+        text_config={
+            "model_type": "qwen2", "vocab_size": VOCAB_SIZE, "hidden_size": 128,
+            "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 2048,
+            "bos_token_id": ids("<|endoftext|>"), "eos_token_id": ids("<|im_end|>"),
+            "tie_word_embeddings": False,
+        },
+        audio_token_index=ids("<|AUDIO|>"),
+    )
+    config.dtype = torch.float32
+    torch.manual_seed(SEED)
+    model = Qwen2AudioForConditionalGeneration(config).float()
+    _init_weights(model)
+    _write_config(config, out, "Qwen2AudioForConditionalGeneration")
+    _save_weights(model, out, audio_weight_name)
+    processor = Qwen2AudioProcessor(
+        feature_extractor=WhisperFeatureExtractor(feature_size=128),
+        tokenizer=tokenizer,
+        chat_template=chat_template(audio="<|audio_bos|><|AUDIO|><|audio_eos|>"),
+    )
+    processor.save_pretrained(str(out))
+
+
+_BUILDERS: dict[str, Callable[[Path], None]] = {
+    "llava": _llava, "qwen2vl": _qwen2vl, "qwen2audio": _qwen2audio}
 
 
 def build(kind: str, path: str | Path) -> Path:
@@ -287,6 +365,11 @@ def build_llava(path: str | Path) -> Path:
 def build_qwen2vl(path: str | Path) -> Path:
     """Build the tiny Qwen2-VL into `path`; returns the resolved directory."""
     return build("qwen2vl", path)
+
+
+def build_qwen2audio(path: str | Path) -> Path:
+    """Build the tiny Qwen2-Audio into `path`; returns the resolved directory."""
+    return build("qwen2audio", path)
 
 
 def default_cache_root() -> Path:

@@ -18,7 +18,7 @@ from epdctl.proxy.encode import Encoder, Looked
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError
 from epdctl.proxy.generate import Answer, Generator, StageFailed
 from epdctl.proxy.lookup import StoreLookup
-from epdctl.proxy.media import assign_uuids, scope_client_uuids
+from epdctl.proxy.media import MediaTooLarge, assign_uuids, scope_client_uuids
 from epdctl.proxy.metrics import Metrics, outcome_of
 from epdctl.proxy.mooncake import MooncakeRoute
 from epdctl.proxy.passthrough import Passthrough
@@ -223,9 +223,9 @@ class ProxyHandler:
                 by_content = await assign_uuids(items, self.client,
                                                 self.config.media_fetch_timeout_s,
                                                 self.config.max_body_bytes)
-            except ProxyError:
-                if self.mooncake is not None:
-                    raise
+            except ProxyError as exc:
+                if self.mooncake is not None or isinstance(exc, MediaTooLarge):
+                    raise  # media past the proxy's cap: its own answer, not sent on
                 # Media the proxy cannot key (bad base64, a URL it cannot fetch): PD gets
                 # the body as it came and answers for it, as vLLM would.
                 trace.notes.append("media_unkeyed=1")

@@ -53,7 +53,8 @@ class StoreLookup:
         self.silent: set[str] = set()
         """Modalities E has answered for without metadata (nothing to rewrite them to)."""
         self._stems: set[str] = set()  # entries the last scan saw, and E's keys since
-        self._fresh: dict[str, dict[str, Any]] = {}  # E's entries not yet kept beside theirs
+        # E's entries (and the items' modalities) not yet kept beside theirs.
+        self._fresh: dict[str, tuple[dict[str, Any], str]] = {}
         # Plain counts on the hot path; scan() writes them for `cache inspect`.
         self.lookups = self.skipped = self.sent = 0
         self._stats = StatsWriter(self.store.root, STATS_WRITER)
@@ -75,7 +76,9 @@ class StoreLookup:
             if isinstance(self.store.check(uuid), Miss):
                 self._stems.discard(stem)
                 continue
-            entry = self._fresh.get(uuid) or read_meta(self.store, uuid)
+            fresh = self._fresh.get(uuid)
+            entry = fresh[0] if fresh and fresh[0].get("metadata") else read_meta(
+                self.store, uuid)
             if entry is None and needs_metadata and item.modality in self.reporting:
                 continue
             # Used now: the janitor's LRU and grace period count from here, so the entry
@@ -94,8 +97,8 @@ class StoreLookup:
         if key != item.uuid:
             return
         self._stems.add(Store.stem(key))
-        if has_metadata:
-            self._fresh[key] = entry
+        # Kept for every item (its modality at least, for `cache inspect --entries`).
+        self._fresh[key] = (entry, item.modality)
 
     def count(self, lookups: int, skipped: int, sent: int) -> None:
         self.lookups += lookups
@@ -106,9 +109,9 @@ class StoreLookup:
         """Rebuild the index from `entries/`, keep E's fresh metadata beside the entries it
         describes (atomically), and flush the counters if they changed."""
         stems = self.store.entry_stems()
-        for key, entry in self._fresh.items():
+        for key, (entry, modality) in self._fresh.items():
             if Store.stem(key) in stems:
-                write_meta(self.store, key, entry)
+                write_meta(self.store, key, entry, modality)
         self._fresh.clear()
         self._stems = stems
         totals = (self.lookups, self.skipped, self.sent)

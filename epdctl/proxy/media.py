@@ -10,7 +10,7 @@ and skip E; PD handles (or rejects) them itself.
 Client-supplied `uuid`s: vLLM uses a part's `uuid` as the item's mm_hash, which keys E's
 store entry, PD's encoder and processor caches and its prefix cache. So no raw client uuid
 goes on to E or PD: `scope_client_uuids` rewrites every one in the body, before anything
-else reads it, into `client_key(uuid)`, a key of its own space (content keys are bare hex;
+else reads it, into `client_key(uuid, modality)`, a key of its own space (content keys are bare hex;
 client keys start with `client-`), so a client uuid only ever matches the same client uuid
 and can never alias another client's content-keyed item. With `--no-client-uuids` they
 are dropped instead, and every item is keyed by its content.
@@ -25,8 +25,8 @@ import hashlib
 from typing import Any
 
 from epdctl.proxy.client import Upstream
-from epdctl.proxy.errors import UpstreamError, bad_request
-from epdctl.proxy.routing import MediaItem, replace_parts
+from epdctl.proxy.errors import ProxyError, UpstreamError, bad_request
+from epdctl.proxy.routing import MEDIA_TYPES, MediaItem, replace_parts
 
 CLIENT_PREFIX = "client-"
 """Starts every key made from a client uuid; never in a content key (lower-case hex)."""
@@ -40,9 +40,21 @@ def content_key(modality: str, data: bytes) -> str:
     return digest.hexdigest()
 
 
-def client_key(uuid: str) -> str:
-    """The key of a client-supplied uuid: same uuid, same key; never equal to a content key."""
-    return CLIENT_PREFIX + hashlib.sha256(b"epdctl client uuid\0" + uuid.encode()).hexdigest()
+def client_key(uuid: str, modality: str = "image") -> str:
+    """The key of a client-supplied uuid on an item of `modality`: same uuid and modality,
+    same key; never equal to a content key, nor to the same uuid on another modality's item
+    (a video and an image under one uuid are two entries, as their content keys are)."""
+    material = b"epdctl client uuid\0" + modality.encode() + b"\0" + uuid.encode()
+    return CLIENT_PREFIX + hashlib.sha256(material).hexdigest()
+
+
+def part_modality(part_type: str) -> str:
+    """The modality a content part's `uuid` keys: `video_url` and `video_embeds` -> video,
+    `audio_url`, `input_audio` and `audio_embeds` -> audio; image for every other type."""
+    if part_type in MEDIA_TYPES:
+        return MEDIA_TYPES[part_type]
+    kind = part_type.removesuffix("_embeds")
+    return kind if kind in ("video", "audio") else "image"
 
 
 def scope_client_uuids(body: dict[str, Any], is_honoured: bool, *,
@@ -63,7 +75,7 @@ def scope_client_uuids(body: dict[str, Any], is_honoured: bool, *,
             new = {k: v for k, v in part.items() if k != "uuid"}
             uuid = str(part["uuid"])  # as vLLM reads it
             if uuid and is_honoured:
-                new["uuid"] = client_key(uuid)
+                new["uuid"] = client_key(uuid, part_modality(str(part.get("type"))))
             parts[(i, j)] = new
     if not parts:
         return body, 0
@@ -84,10 +96,19 @@ def b64decode(text: str, what: str) -> bytes:
 
 
 def data_url_bytes(url: str, what: str) -> bytes:
-    """The decoded payload of a `data:<mime>;base64,<data>` URL."""
+    """The decoded payload of a `data:<mime>;base64,<data>` URL.
+
+    vLLM's `video/jpeg` form is a list of base64 frames joined by commas: its bytes are each
+    frame's, length-prefixed (so no two frame lists give the same bytes)."""
     head, sep, data = url.partition(",")
     if not sep or not head.endswith(";base64"):
         raise bad_request(f"{what}: only base64 data URLs are supported")
+    if head[5:].lower() == "video/jpeg;base64" and "," in data:
+        frames = [b64decode(frame, what) for frame in data.split(",")]
+        payload = b"".join(len(f).to_bytes(8, "big") + f for f in frames)
+        if not all(frames):
+            raise bad_request(f"{what} has an empty frame")
+        return payload
     payload = b64decode(data, what)
     if not payload:
         raise bad_request(f"{what} is empty")
@@ -97,8 +118,13 @@ def data_url_bytes(url: str, what: str) -> bytes:
 async def assign_uuids(items: list[MediaItem], client: Upstream, timeout_s: float,
                        max_bytes: int) -> int:
     """Give every item without a (scoped) client uuid a key from its content bytes, in
-    place; how many got one."""
-    remote = []
+    place; how many got one.
+
+    A remote URL is fetched once per request however many items name it (and each item of it
+    shares the one data URL). The fetched media together may not exceed `max_bytes` (the
+    proxy's body cap): past it, a 413, since E and PD would get them inlined.
+    """
+    remote: dict[tuple[str, str], list[MediaItem]] = {}
     count = 0
     for n, item in enumerate(items):
         what = f"{item.part_type} #{n}"
@@ -109,23 +135,44 @@ async def assign_uuids(items: list[MediaItem], client: Upstream, timeout_s: floa
         elif item.ref.startswith("data:"):
             item.uuid = content_key(item.modality, data_url_bytes(item.ref, what))
         elif item.ref.startswith(("http://", "https://")):
-            remote.append(_fetch(item, what, client, timeout_s, max_bytes))
+            remote.setdefault((item.modality, item.ref), []).append(item)
         else:
             continue
         count += 1
     if remote:
-        await asyncio.gather(*remote)
+        sizes = await asyncio.gather(*(_fetch(same, client, timeout_s, max_bytes)
+                                       for same in remote.values()))
+        if sum(sizes) > max_bytes:
+            raise MediaTooLarge(f"the {len(remote)} media URLs fetched together are "
+                            f"{sum(sizes)} bytes", max_bytes)
     return count
 
 
-async def _fetch(item: MediaItem, what: str, client: Upstream, timeout_s: float,
-                 max_bytes: int) -> None:
+class MediaTooLarge(ProxyError):
+    """Fetched media past the proxy's cap: a 400 the proxy answers itself (PD would fetch the
+    same bytes again), naming the cap and the flag that sets it."""
+
+    def __init__(self, what: str, max_bytes: int) -> None:
+        super().__init__(400, f"{what}: more than the proxy's limit of {max_bytes} bytes "
+                         "(--max-body-bytes)")
+
+
+async def _fetch(same: list[MediaItem], client: Upstream, timeout_s: float,
+                 max_bytes: int) -> int:
+    """Fetch one URL for every item naming it; the bytes fetched."""
+    item = same[0]
+    what = f"{item.part_type} {item.ref}"
     try:
         status, mime, data = await client.fetch(item.ref, timeout_s, max_bytes)
     except UpstreamError as exc:
-        raise bad_request(f"{what}: could not fetch {item.ref}: {exc.detail}") from None
+        if exc.kind == "too large":
+            raise MediaTooLarge(what, max_bytes) from None
+        raise bad_request(f"{what}: could not fetch it: {exc.detail}") from None
     if status != 200 or not data:
-        raise bad_request(f"{what}: fetching {item.ref} gave HTTP {status}")
+        raise bad_request(f"{what}: fetching it gave HTTP {status}")
     mime = mime.split(";", 1)[0].strip() or "application/octet-stream"
-    item.uuid = content_key(item.modality, data)
-    item.data_url = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    uuid = content_key(item.modality, data)
+    data_url = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    for it in same:
+        it.uuid, it.data_url = uuid, data_url
+    return len(data)

@@ -187,3 +187,40 @@ def test_user_dataset_image_count_is_checked(tmp_path: Path) -> None:
     path.write_text(json.dumps({"prompt": "p", "image_files": ["a", "b", "c"]}) + "\n")
     with pytest.raises(BenchError, match=r"3 image\(s\) per request"):
         check(ARMS, Workload(points=(LoadPoint(),), dataset=path))
+
+
+def test_argv_random_mm_with_videos_gives_exact_counts_in_vllms_sampler(tmp_path: Path) -> None:
+    """A video bucket (frames > 1) beside the image one; vLLM's own sampler then draws
+    exactly the images and videos asked for per request."""
+    w = Workload(points=(LoadPoint(),), images=1, videos=2, video_frames=6, image_size=(64, 48))
+    args = argv(["b"], w, 0, url="u", model="m", served_model_name="m", result_dir=tmp_path,
+                result_name="r.json")
+    config = args[args.index("--random-mm-bucket-config") + 1]
+    assert config == "{(48, 64, 1): 0.3333333333333333, (48, 64, 6): 0.6666666666666666}"
+    limit = json.loads(args[args.index("--random-mm-limit-mm-per-prompt") + 1])
+    assert limit == {"image": 1, "video": 2}
+    assert args[args.index("--random-mm-base-items-per-request") + 1] == "3"
+    datasets = pytest.importorskip("vllm.benchmarks.datasets.datasets")
+    import ast
+
+    parsed = ast.literal_eval(config)  # as vLLM's --random-mm-bucket-config parser reads it
+    sampler = datasets.RandomMultiModalDataset(random_seed=0)
+    for _ in range(20):
+        drawn = list(sampler.get_mm_item_iterator(3, 3, parsed, limit))
+        assert sorted(frames for _, _, frames in drawn) == [1, 6, 6]
+    only_videos = Workload(points=(LoadPoint(),), images=0, videos=1)
+    args = argv(["b"], only_videos, 0, url="u", model="m", served_model_name="m",
+                result_dir=tmp_path, result_name="r.json")
+    assert args[args.index("--random-mm-bucket-config") + 1] == "{(512, 512, 4): 1.0}"
+    assert "--dataset-name random-mm" in " ".join(args)
+
+
+def test_more_videos_than_an_arm_takes_is_refused() -> None:
+    topology = parse_topology({
+        "name": "t", "model": "org/vl", "served_model_name": "vl", "device": "cpu",
+        "engine": {"args": ["--limit-mm-per-prompt", '{"image": 2, "video": 1}']},
+        "roles": {"encode": {}, "prefill_decode": {}}})
+    arms = derive_arms(topology, Path("t.yaml"))
+    with pytest.raises(BenchError, match=r"2 video\(s\) per request; `epd` accepts at most 1"):
+        check(arms, Workload(points=(LoadPoint(),), videos=2))
+    check(arms, Workload(points=(LoadPoint(),), images=2, videos=1))

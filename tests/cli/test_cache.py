@@ -43,7 +43,7 @@ def populate(root: Path) -> Store:
     stats.add("img-a", hits=1)
     stats.add(misses=1)
     stats.close()
-    write_meta(store, "lora:img-b", {"metadata": {"image_grid_thw": [[1, 2, 2]]}})
+    write_meta(store, "lora:img-b", {"metadata": {"video_grid_thw": [[2, 2, 2]]}}, "video")
     proxy = StatsWriter(store.root, STATS_WRITER)
     proxy.add(lookups=4, skipped=1, sent=3)
     proxy.close()
@@ -69,9 +69,9 @@ def test_inspect_table_and_entries(epdctl, shm: Path) -> None:
         "HIT% = the proxy's store lookups that found the item (no encoder round trip)\n"
         "\n"
         "demo-0123456789ab\n"
-        "KEY           DTYPE  SHAPE     SIZE    AGE  HITS  PINNED\n"
-        "lora:img-b  float32   2x16  4.1 KiB  5m10s     0        \n"
-        "img-a       float32   4x16  4.2 KiB  3h00m     1     yes\n"
+        "KEY         MODALITY    DTYPE  SHAPE     SIZE    AGE  HITS  PINNED\n"
+        "lora:img-b     video  float32   2x16  4.1 KiB  5m10s     0        \n"
+        "img-a              ?  float32   4x16  4.2 KiB  3h00m     1     yes\n"
     )
 
 
@@ -100,9 +100,9 @@ def test_inspect_json(epdctl, shm: Path) -> None:
         == doc["size_bytes"]
         == sum(p.stat().st_size for p in store.entries.glob("*.ec"))
     )
-    assert [(i["key"], i["shape"], i["pinned"]) for i in ns["items"]] == [
-        ("lora:img-b", [2, 16], False),
-        ("img-a", [4, 16], True),
+    assert [(i["key"], i["shape"], i["pinned"], i["modality"]) for i in ns["items"]] == [
+        ("lora:img-b", [2, 16], False, "video"),
+        ("img-a", [4, 16], True, None),
     ]
 
 

@@ -32,7 +32,8 @@ def _item(store: Path, key: str, size: int = 100, age_s: float = 0.0) -> Path:
 
 
 def _verify_keys() -> list[str]:
-    return sorted({k for p in core.PROMPTS for k in core.media_keys(p)})
+    # The fake topology takes images only: verify sends it those prompts.
+    return sorted({k for p in core.prompts_for({"image"}) for k in core.media_keys(p)})
 
 
 def test_dry_run_notes_what_the_connector_changes(epdctl, fake_topology) -> None:

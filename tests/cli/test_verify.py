@@ -13,7 +13,7 @@ from epdctl.plan import LaunchSpec
 from tests.conftest import is_running, run_pids
 
 pytestmark = pytest.mark.timeout(60)
-NAMES = [p.name for p in core.PROMPTS]
+NAMES = [p.name for p in core.prompts_for({"image"})]  # the fake topology: images only
 
 
 def answer(text: str | None, error: str | None = None) -> core.ChatAnswer:
@@ -62,12 +62,46 @@ def test_prompts_cover_the_cases_and_their_images_differ() -> None:
     assert all(png.startswith(b"\x89PNG\r\n\x1a\n") for png in pngs)
 
 
+def test_prompts_cover_every_modality_and_only_the_ones_taken() -> None:
+    assert core.taken_modalities(["--limit-mm-per-prompt", '{"image": 2, "video": 1}']) == {
+        "image", "video"}
+    assert core.taken_modalities(["--limit-mm-per-prompt", '{"audio": 2, "image": 0}']) == {
+        "audio"}
+    assert core.taken_modalities([]) == {"image"}
+    for taken in ({"image"}, {"image", "video"}, {"audio"}):
+        chosen = core.prompts_for(taken)
+        assert {m for p in chosen for m in p.modalities} == taken
+        assert chosen[0].name == "text only"
+    every = core.prompts_for({"image", "video", "audio"})
+    assert every == core.PROMPTS
+    assert any(len(p.modalities) == 2 for p in every)  # an image with a video
+
+
+def test_media_keys_are_the_keys_the_proxy_gives() -> None:
+    """verify's own keys for its prompts' media equal the proxy's content keys, per modality
+    (the store check counts loads of exactly these)."""
+    import asyncio
+
+    from epdctl.proxy.media import assign_uuids
+    from epdctl.proxy.routing import find_media
+
+    for prompt in core.PROMPTS:
+        items = find_media(core.chat_body(prompt, "m"))
+        asyncio.run(assign_uuids(items, None, 1.0, 1 << 20))  # type: ignore[arg-type]
+        assert {i.uuid for i in items} == core.media_keys(prompt), prompt.name
+        assert [i.modality for i in items] == (
+            ["image"] * len(prompt.images) + ["video"] * len(prompt.videos)
+            + ["audio"] * len(prompt.audios))
+    assert core.wav(1) != core.wav(2) and core.wav(1).startswith(b"RIFF")
+    assert core.media_keys(core.PROMPTS[6]) != core.media_keys(core.PROMPTS[7])
+
+
 def test_chat_body_salts_every_request() -> None:
     a, b = (core.chat_body(core.PROMPTS[3], "m") for _ in range(2))
     assert a["cache_salt"] != b["cache_salt"] and a["temperature"] == 0.0
     parts = a["messages"][0]["content"]
     assert [p["type"] for p in parts] == ["image_url", "image_url", "text"]
-    assert "stream" not in a and core.chat_body(core.PROMPTS[-1], "m")["stream"] is True
+    assert "stream" not in a and core.chat_body(core.PROMPTS[5], "m")["stream"] is True
 
 
 def write_stats(ns_dir: Path, writer: str, key_hits: dict[str, int], **counts: int) -> None:
@@ -116,6 +150,9 @@ def test_report_document_shape() -> None:
             result("a", "b", core.CacheUse(keys=1, hits=1))]
     doc = core.report(rows, name="t")
     assert doc["ok"] is False and doc["name"] == "t"
+    assert [(p["videos"], p["audios"]) for p in doc["prompts"]] == [(0, 0), (0, 0)]
+    for row in doc["prompts"]:
+        del row["videos"], row["audios"]
     assert doc["prompts"][1] == {
         "name": "one image", "images": 1, "stream": False, "equal": False, "ok": False,
         "cache": {"verdict": "hit", "keys": 1, "hits": 1, "misses": 0},

@@ -49,6 +49,12 @@ def tiny_qwen2vl(request: pytest.FixtureRequest) -> Path:
     return _tiny_model("qwen2vl", request)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2audio(request: pytest.FixtureRequest) -> Path:
+    """Directory of the tiny random-weight Qwen2-Audio (Whisper-style tower, Qwen2 LM)."""
+    return _tiny_model("qwen2audio", request)
+
+
 def serve(model: Path, log_path: Path, name: str) -> Iterator[Server]:
     """Start one aggregated server, yield it when ready, stop its process group after."""
     server = start_vllm(model, log_path=log_path, name=name)

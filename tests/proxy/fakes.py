@@ -67,6 +67,9 @@ class Fakes:
     """Every fake instance: records what arrived; `script` overrides answers per instance."""
 
     encoder_metadata: dict[str, Any] = field(default_factory=dict)
+    metadata_by_type: dict[str, dict[str, Any]] | None = None
+    """E's metadata by the item's part type (`video_url`, ...), instead of encoder_metadata;
+    a type not named reports none (as LLaVA's images, or an audio model's clips)."""
     seen: list[Seen] = field(default_factory=list)
     script: dict[str, list[Handler]] = field(default_factory=dict)
     down: set[str] = field(default_factory=set)
@@ -120,7 +123,9 @@ class Fakes:
             key = part.get("uuid") or "no-uuid"
             if self.store is not None:
                 self.store.publish(key, bytes(16 * 4 * 4), dtype="float32", shape=(16, 4))
-            entry = {"item_indices": [0], "metadata": dict(self.encoder_metadata)}
+            metadata = self.encoder_metadata if self.metadata_by_type is None else \
+                self.metadata_by_type.get(part.get("type"), {})
+            entry = {"item_indices": [0], "metadata": dict(metadata)}
             return httpx.Response(200, json={"id": "e", "choices": [],
                                              "ec_transfer_params": {key: entry}})
         if seen.instance.startswith("p") and not seen.instance.startswith("pd"):

@@ -126,11 +126,12 @@ def _footer(doc: dict[str, Any]) -> str:
 def _entry_table(items: list[dict[str, Any]], now: float) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
     table.add_column("KEY", overflow="fold")
-    for name in ("DTYPE", "SHAPE", "SIZE", "AGE", "HITS", "PINNED"):
+    for name in ("MODALITY", "DTYPE", "SHAPE", "SIZE", "AGE", "HITS", "PINNED"):
         table.add_column(name, justify="right")
     for e in items:
         shape = "?" if e["shape"] is None else "x".join(str(d) for d in e["shape"])
         cells = (
+            e.get("modality") or "?",
             e["dtype"] or "?",
             shape,
             size(e["size_bytes"]),
