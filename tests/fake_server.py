@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FLAGS = {"--port": int, "--host": str, "--ready-after": float, "--exit-after": float,
          "--exit-code": int, "--model": str, "--served-model-name": str}
-SWITCHES = {"--ignore-sigterm", "--spawn-grandchild", "--shm-file"}
+SWITCHES = {"--ignore-sigterm", "--spawn-grandchild", "--shm-file", "--semaphore"}
 
 
 def parse(argv: list[str]) -> dict:
@@ -147,6 +147,14 @@ def main() -> None:
             f.truncate(4096)
             opts["shm"] = mmap.mmap(f.fileno(), 4096)
         print(f"fake: mapped {path}", flush=True)
+    if opts.get("--semaphore"):
+        # Like vLLM's engines: a multiprocessing lock of the spawn context is a named
+        # semaphore, /dev/shm/sem.mp-*, that its resource tracker unlinks at exit (and that
+        # stays when the tracker is SIGKILLed with the group).
+        import multiprocessing
+
+        opts["lock"] = multiprocessing.get_context("spawn").Lock()
+        print(f"fake: semaphore {opts['lock']._semlock.name}", flush=True)
     if opts.get("--spawn-grandchild"):
         child = subprocess.Popen([sys.executable, __file__, "--grandchild"])
         print(f"fake: grandchild pid {child.pid}", flush=True)
