@@ -26,6 +26,7 @@ _LOCAL_ENV = (
     "VLLM_CPU_OMP_THREADS_BIND",
     "VLLM_EC_SIDE_CHANNEL_HOST",
     "VLLM_EC_SIDE_CHANNEL_PORT",
+    "VLLM_RPC_BASE_PATH",  # a directory of the local run (epdctl.ipc)
 )
 
 

@@ -1,0 +1,80 @@
+"""Where an engine's IPC sockets go: a private directory of the run, gone with the instance.
+
+vLLM binds its ZMQ IPC sockets (engine core, frontend, message queues) as
+`$VLLM_RPC_BASE_PATH/<uuid4>`, by default right in /tmp, and nothing unlinks them when it
+exits, cleanly or not. The plan points each engine at a directory of its own instead,
+0700: `<state dir>/ipc/<instance>`, or, where that would make a socket path longer than a
+unix socket's 107 bytes, `$XDG_RUNTIME_DIR/epdctl-<hash>-<instance>` (the system temp
+dir without it). The launcher makes it before the engine starts; the supervisor and
+`down` remove it once the instance's process group is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+RPC_ENV = "VLLM_RPC_BASE_PATH"
+SOCKET_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
+_SOCKET_NAME = len("/") + 36  # vLLM's socket name is a uuid4
+
+
+def fits(base: str | os.PathLike[str]) -> bool:
+    """A socket named by vLLM under `base` stays within the unix socket path limit."""
+    return len(os.fsencode(base)) + _SOCKET_NAME <= SOCKET_PATH_MAX
+
+
+def _fallback_name(state_dir: Path, instance: str) -> str:
+    digest = hashlib.sha256(os.fsencode(state_dir.absolute())).hexdigest()[:12]
+    return f"epdctl-{digest}-{instance}"
+
+
+def rpc_dir(state_dir: Path, instance: str, environ: Mapping[str, str] | None = None) -> Path:
+    """The IPC directory of `instance` of the run kept in `state_dir`."""
+    preferred = state_dir.absolute() / "ipc" / instance
+    if fits(preferred):
+        return preferred
+    environ = os.environ if environ is None else environ
+    runtime = environ.get("XDG_RUNTIME_DIR", "")
+    name = _fallback_name(state_dir, instance)
+    base = runtime if runtime and fits(Path(runtime) / name) else tempfile.gettempdir()
+    return Path(base) / name
+
+
+def ours(env: Mapping[str, str], state_dir: Path, instance: str) -> Path | None:
+    """The IPC directory `env` gives the instance, if it is one epdctl made for this run (a
+    VLLM_RPC_BASE_PATH of the user's own is left alone)."""
+    value = env.get(RPC_ENV)
+    if not value:
+        return None
+    path = Path(value)
+    if path == state_dir.absolute() / "ipc" / instance or (
+            path.name == _fallback_name(state_dir, instance)):
+        return path
+    return None
+
+
+def make(path: Path) -> None:
+    """Create the directory 0700 (a planted link or another user's directory is refused)."""
+    from epdctl.errors import StartupError
+    from epdctl.private import make_dir, own_dir
+
+    if path.parent.name == "ipc":
+        own_dir(path.parent)
+    make_dir(path, "the engine IPC directory", "remove it", StartupError)
+
+
+def remove(path: Path | None) -> None:
+    """Remove the directory and the sockets in it (nothing when it is gone already)."""
+    if path is None:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    if path.parent.name == "ipc":
+        try:
+            path.parent.rmdir()  # <state dir>/ipc, once no instance's directory is left
+        except OSError:
+            pass
