@@ -79,7 +79,7 @@ def start(specs: Sequence[LaunchSpec], run_dir: Path,
     port = free_port([s.port for s in specs])
     spec = baseline_spec(pd, port, run_dir / "logs" / f"{NAME}.log", gpus)
     if ipc.ours(pd.env, run_dir, pd.name):  # IPC sockets of its own, not pd's
-        spec = replace(spec, env={**spec.env, ipc.RPC_ENV: str(ipc.rpc_dir(run_dir, NAME))})
+        spec = replace(spec, env={**spec.env, **ipc.engine_env(run_dir, NAME)})
     return spec, spawn(spec, run_dir)
 
 

@@ -1,12 +1,16 @@
-"""Where an engine's IPC sockets go: a private directory of the run, gone with the instance.
+"""Where an engine's IPC sockets and temp files go: a private directory of the run, gone
+with the instance.
 
 vLLM binds its ZMQ IPC sockets (engine core, frontend, message queues) as
-`$VLLM_RPC_BASE_PATH/<uuid4>`, by default right in /tmp, and nothing unlinks them when it
-exits, cleanly or not. The plan points each engine at a directory of its own instead,
-0700: `<state dir>/ipc/<instance>`, or, where that would make a socket path longer than a
-unix socket's 107 bytes, `$XDG_RUNTIME_DIR/epdctl-<hash>-<instance>` (the system temp
-dir without it). The launcher makes it before the engine starts; the supervisor and
-`down` remove it once the instance's process group is gone.
+`$VLLM_RPC_BASE_PATH/<uuid4>`, by default right in /tmp, and writes its torch.distributed
+file store as `$TMPDIR/vllm_dist_<uuid>`; nothing unlinks either when it exits, cleanly or
+not. The plan points each engine at a directory of its own instead (both variables), 0700:
+`<state dir>/ipc/<instance>`, or, where that would make a socket path longer than a unix
+socket's 107 bytes, `$XDG_RUNTIME_DIR/epdctl-<hash>-<instance>` (the system temp dir
+without it). Inductor's compile cache, which defaults to the temp dir too, is kept where it
+was (TORCHINDUCTOR_CACHE_DIR): it is a cache across runs, not a file of this one. The
+launcher makes the directory before the engine starts; the supervisor and `down` remove it
+once the instance's process group is gone.
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ def rpc_dir(state_dir: Path, instance: str, environ: Mapping[str, str] | None = 
     name = _fallback_name(state_dir, instance)
     base = runtime if runtime and fits(Path(runtime) / name) else tempfile.gettempdir()
     return Path(base) / name
+
+
+def engine_env(state_dir: Path, instance: str) -> dict[str, str]:
+    """What the plan gives the engine (under what the topology sets itself)."""
+    import getpass
+
+    path = str(rpc_dir(state_dir, instance))
+    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    return {RPC_ENV: path, "TMPDIR": path, "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
 
 
 def ours(env: Mapping[str, str], state_dir: Path, instance: str) -> Path | None:

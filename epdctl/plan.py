@@ -254,8 +254,8 @@ def plan(
         name = f"{ROLE_PREFIX[role_name]}-{replica}"
         port = http_ports[index]
         env = {**topology.engine.env, **role.env}
-        # vLLM's IPC sockets in a private directory of the run, not in /tmp (epdctl.ipc).
-        env.setdefault(ipc.RPC_ENV, str(ipc.rpc_dir(state_dir, name)))
+        # vLLM's IPC sockets and temp files in a private directory of the run (epdctl.ipc).
+        env = {**ipc.engine_env(state_dir, name), **env}
         ec = None
         if has_e:
             ec = ec_transfer_config(topology, role_name, namespace, f"{topology.name}-{name}",

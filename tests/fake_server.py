@@ -166,6 +166,8 @@ def main() -> None:
         base = os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir())
         opts["ipc"] = socket.socket(socket.AF_UNIX)
         opts["ipc"].bind(f"{base}/{uuid.uuid4()}")
+        # And like its torch.distributed file store, $TMPDIR/vllm_dist_<uuid>.
+        os.close(tempfile.mkstemp(prefix="vllm_dist_")[0])
         print(f"fake: bound {base}", flush=True)
     if opts.get("--spawn-grandchild"):
         child = subprocess.Popen([sys.executable, __file__, "--grandchild"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import signal
@@ -45,6 +46,10 @@ def test_plan_gives_each_engine_its_own_and_the_users_value_wins() -> None:
         "encode-0": "/state/demo/ipc/encode-0", "pd-0": "/state/demo/ipc/pd-0", "proxy": None}
     assert [ipc.ours(s.env, result.state_dir, s.name) for s in result.instances] == [
         Path("/state/demo/ipc/encode-0"), Path("/state/demo/ipc/pd-0")]
+    assert [s.env["TMPDIR"] for s in result.instances] == [
+        "/state/demo/ipc/encode-0", "/state/demo/ipc/pd-0"]  # vLLM's temp files go there too
+    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    assert {s.env["TORCHINDUCTOR_CACHE_DIR"] for s in result.instances} == {str(inductor)}
     own = demo_plan(demo_topology({"prefill_decode": {"env": {ipc.RPC_ENV: "/srv/ipc"}}}))
     (pd,) = own.instances
     assert pd.env[ipc.RPC_ENV] == "/srv/ipc"
@@ -94,7 +99,9 @@ def test_down_after_sigkills_leaves_no_socket(epdctl, fake_topology, state_root)
     assert set(dirs) == {"encode-0", "pd-0"}
     for path in dirs.values():
         assert ipc.fits(path) and stat.S_IMODE(path.stat().st_mode) == 0o700
-        assert [stat.S_ISSOCK(p.lstat().st_mode) for p in path.iterdir()] == [True]
+        kinds = sorted((p.name.startswith("vllm_dist_"), stat.S_ISSOCK(p.lstat().st_mode))
+                       for p in path.iterdir())
+        assert kinds == [(False, True), (True, False)]  # the socket, the temp file
     pids = run_pids(state_root)
     kill_supervisor(state_root)
     for name in dirs:
