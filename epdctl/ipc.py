@@ -54,7 +54,11 @@ def engine_env(state_dir: Path, instance: str) -> dict[str, str]:
     import getpass
 
     path = str(rpc_dir(state_dir, instance))
-    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    try:
+        user = getpass.getuser()  # torch's default directory is named after the user
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{user}"
     return {RPC_ENV: path, "TMPDIR": path, "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
 
 
