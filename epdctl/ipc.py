@@ -37,6 +37,11 @@ def _fallback_name(state_dir: Path, instance: str) -> str:
     return f"epdctl-{digest}-{instance}"
 
 
+def _fallback_bases(environ: Mapping[str, str]) -> list[Path]:
+    runtime = environ.get("XDG_RUNTIME_DIR", "")
+    return ([Path(runtime)] if runtime else []) + [Path(tempfile.gettempdir())]
+
+
 def rpc_dir(state_dir: Path, instance: str, environ: Mapping[str, str] | None = None) -> Path:
     """The IPC directory of `instance` of the run kept in `state_dir`."""
     preferred = state_dir.absolute() / "ipc" / instance
@@ -83,6 +88,16 @@ def make(path: Path) -> None:
     if path.parent.name == "ipc":
         own_dir(path.parent)
     make_dir(path, "the engine IPC directory", "remove it", StartupError)
+
+
+def remove_all(state_dir: Path, environ: Mapping[str, str] | None = None) -> None:
+    """Every IPC directory of the run in `state_dir`, its instances' names unknown (the
+    state is gone: `down --force`)."""
+    remove(state_dir.absolute() / "ipc")
+    prefix = _fallback_name(state_dir, "")
+    for base in _fallback_bases(os.environ if environ is None else environ):
+        for path in base.glob(f"{prefix}*"):
+            remove(path)
 
 
 def remove(path: Path | None) -> None:

@@ -287,7 +287,7 @@ def _stop_processes(
             release(record.shm_files)
         for spec in state.specs:
             ipc.remove(ipc.ours(spec.env, sdir.path, spec.name))
-    ipc.remove(sdir.path / "ipc")  # what no state names any more (`down --force`)
+    ipc.remove_all(sdir.path)  # what no state names any more (`down --force`)
     killed = list(last.killed)
     if is_sup_alive:  # what it SIGKILLed itself, it wrote down
         try:

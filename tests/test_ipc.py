@@ -127,3 +127,25 @@ def test_supervisor_removes_the_directory_of_an_instance_that_died(
     assert not pd.exists()
     result = epdctl("down")
     assert result.exit_code == 0 and "Nothing of fake was running" in result.output
+
+
+def test_remove_all_finds_the_fallback_directories_without_the_state() -> None:
+    with tempfile.TemporaryDirectory(prefix="epdctl-test-") as runtime:
+        state = Path("/" + "d" * 60) / "demo"
+        env = {"XDG_RUNTIME_DIR": runtime}
+        made = [ipc.rpc_dir(state, name, env) for name in ("encode-0", "pd-0")]
+        other = ipc.rpc_dir(state.with_name("other"), "pd-0", env)
+        for path in (*made, other):
+            assert path.parent == Path(runtime)
+            path.mkdir()
+        ipc.remove_all(state, env)
+        assert [p for p in made if p.exists()] == [] and other.exists()  # another run's stays
+
+
+@pytest.mark.timeout(90)
+def test_down_force_without_state_removes_them_too(epdctl, fake_topology, state_root) -> None:
+    up(epdctl, fake_topology(pd_args=("--ipc-socket",)))
+    dirs = _ipc_dirs(state_root)
+    (state_root / "fake" / "state.json").unlink()
+    assert epdctl("down", "--force", "--name", "fake").exit_code == 0
+    assert [p for p in dirs.values() if p.exists()] == []
