@@ -54,17 +54,21 @@ def rpc_dir(state_dir: Path, instance: str, environ: Mapping[str, str] | None = 
     return Path(base) / name
 
 
-def engine_env(state_dir: Path, instance: str) -> dict[str, str]:
-    """What the plan gives the engine (under what the topology sets itself)."""
+def inductor_cache_dir() -> str:
+    """Where torch's inductor keeps its compile cache by default (in the temp dir)."""
     import getpass
 
-    path = str(rpc_dir(state_dir, instance))
     try:
         user = getpass.getuser()  # torch's default directory is named after the user
     except (KeyError, OSError):
         user = str(os.getuid())
-    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{user}"
-    return {RPC_ENV: path, "TMPDIR": path, "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
+    return str(Path(tempfile.gettempdir()) / f"torchinductor_{user}")
+
+
+def engine_env(state_dir: Path, instance: str) -> dict[str, str]:
+    """What the plan gives the engine (under what the topology sets itself)."""
+    path = str(rpc_dir(state_dir, instance))
+    return {RPC_ENV: path, "TMPDIR": path, "TORCHINDUCTOR_CACHE_DIR": inductor_cache_dir()}
 
 
 def ours(env: Mapping[str, str], state_dir: Path, instance: str) -> Path | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from epdctl import ipc
 from epdctl.shm import mapped_files, release
 
 if TYPE_CHECKING:
@@ -191,7 +192,9 @@ def start_vllm(
     ipc_dir = None
     if "VLLM_RPC_BASE_PATH" not in full_env:  # vLLM's sockets would stay in /tmp
         ipc_dir = Path(tempfile.mkdtemp(prefix="epdctl-test-ipc-"))  # 0700, a short path
-        full_env["VLLM_RPC_BASE_PATH"] = str(ipc_dir)
+        # Its temp files too (vllm_dist_*), as epdctl's plan does (epdctl/ipc.py).
+        full_env.update({ipc.RPC_ENV: str(ipc_dir), "TMPDIR": str(ipc_dir),
+                         "TORCHINDUCTOR_CACHE_DIR": ipc.inductor_cache_dir()})
     with open(log_path, "ab") as log:
         log.write(f"--- harness start {' '.join(argv)}\n".encode())
         log.flush()
