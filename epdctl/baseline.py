@@ -7,9 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from epdctl import ipc
 from epdctl.engines.guard import KEY_ENV
 from epdctl.errors import EpdctlError, StartupError
-from epdctl.launcher import Proc, describe_failure, exit_text, spawn
+from epdctl.launcher import Proc, describe_failure, exit_text, spawn, stop_all
 from epdctl.readiness import is_ready
 from epdctl.spec import LaunchSpec
 
@@ -77,7 +78,15 @@ def start(specs: Sequence[LaunchSpec], run_dir: Path,
                           f"give as many, not {len(gpus)}")
     port = free_port([s.port for s in specs])
     spec = baseline_spec(pd, port, run_dir / "logs" / f"{NAME}.log", gpus)
+    if ipc.ours(pd.env, run_dir, pd.name):  # IPC sockets of its own, not pd's
+        spec = replace(spec, env={**spec.env, **ipc.engine_env(run_dir, NAME)})
     return spec, spawn(spec, run_dir)
+
+
+def stop(spec: LaunchSpec, proc: Proc, run_dir: Path) -> None:
+    """Stop the twin's group and remove its IPC directory."""
+    stop_all([proc])
+    ipc.remove(ipc.ours(spec.env, run_dir, spec.name))
 
 
 def wait_ready(spec: LaunchSpec, proc: Proc, deadline: float, timeout_s: float) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from epdctl import ipc
 from epdctl.private import open_append
 from epdctl.readiness import probe
 from epdctl.spec import LaunchSpec
@@ -71,6 +72,8 @@ def spawn(spec: LaunchSpec, run_dir: Path) -> Proc:
     import psutil
 
     env = {**os.environ, **spec.env, MARK_DIR: str(run_dir), MARK_NAME: spec.name}
+    if (rpc := ipc.ours(spec.env, run_dir, spec.name)) is not None:
+        ipc.make(rpc)
     with open_append(spec.log_path) as log:  # 0600: a log shows prompts' traces
         stamp = datetime.now().astimezone().isoformat(timespec="seconds")
         log.write(f"--- epdctl start {stamp} {shlex.join(spec.argv)}\n".encode())

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from epdctl import cache
+from epdctl import cache, ipc
 from epdctl import ec_connectors as ec_conn
 from epdctl.engines.guard import KEY_ENV
 from epdctl.errors import PlanError
@@ -256,6 +256,8 @@ def plan(
         name = f"{ROLE_PREFIX[role_name]}-{replica}"
         port = http_ports[index]
         env = {**topology.engine.env, **role.env}
+        # vLLM's IPC sockets and temp files in a private directory of the run (epdctl.ipc).
+        env = {**ipc.engine_env(state_dir, name), **env}
         ec = None
         if has_e:
             ec = ec_transfer_config(topology, role_name, namespace, f"{topology.name}-{name}",

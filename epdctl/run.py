@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from epdctl import ipc
 from epdctl.cache import CONNECTOR_NAME
 from epdctl.errors import (
     AlreadyRunningError,
@@ -295,6 +296,9 @@ def _stop_processes(
     if state is not None:
         for record in state.records.values():
             release(record.shm_files)
+        for spec in state.specs:
+            ipc.remove(ipc.ours(spec.env, sdir.path, spec.name))
+    ipc.remove_all(sdir.path)  # what no state names any more (`down --force`)
     killed = list(last.killed)
     if is_sup_alive:  # what it SIGKILLed itself, it wrote down
         try:

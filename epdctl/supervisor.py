@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from epdctl import ipc
 from epdctl.errors import EpdctlError, InstanceDiedError, StartupError
 from epdctl.launcher import (
     STOP_TIMEOUT_S,
@@ -97,6 +98,8 @@ class Supervisor:
         self.state.killed = result.killed
         for record in self.state.records.values():
             release(record.shm_files)
+        for slot in self.slots:
+            ipc.remove(ipc.ours(slot.spec.env, self.sdir.path, slot.spec.name))
         if self.state.phase == "stopping":
             self.state.phase = "stopped"
         for slot in self.slots:
@@ -146,6 +149,7 @@ class Supervisor:
             # restart would find the port, memory and GPU still held.
             stop_all([slot.proc], 0.0)
             release(record.shm_files)
+            ipc.remove(ipc.ours(slot.spec.env, self.sdir.path, slot.spec.name))
             slot.proc = None
             name, log = slot.spec.name, slot.spec.log_path
             if self.state.phase == "starting":

@@ -28,6 +28,15 @@ def state_root(tmp_path: Path) -> Iterator[Path]:
         leftovers = scan_marked(run_dir)
         if leftovers:
             stop_all(leftovers, 2.0)
+        remove_ipc_dirs(run_dir)
+
+
+def remove_ipc_dirs(run_dir: Path) -> None:
+    """The engines' IPC directories of a run a test did not `down` (outside the state dir,
+    in the temp dir, where its path is too long for a socket's)."""
+    from epdctl import ipc
+
+    ipc.remove_all(run_dir)
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FLAGS = {"--port": int, "--host": str, "--ready-after": float, "--exit-after": float,
          "--exit-code": int, "--model": str, "--served-model-name": str}
-SWITCHES = {"--ignore-sigterm", "--spawn-grandchild", "--shm-file"}
+SWITCHES = {"--ignore-sigterm", "--spawn-grandchild", "--shm-file", "--semaphore",
+            "--ipc-socket"}
 
 
 def parse(argv: list[str]) -> dict:
@@ -147,6 +148,27 @@ def main() -> None:
             f.truncate(4096)
             opts["shm"] = mmap.mmap(f.fileno(), 4096)
         print(f"fake: mapped {path}", flush=True)
+    if opts.get("--semaphore"):
+        # Like vLLM's engines: a multiprocessing lock of the spawn context is a named
+        # semaphore, /dev/shm/sem.mp-*, that its resource tracker unlinks at exit (and that
+        # stays when the tracker is SIGKILLed with the group).
+        import multiprocessing
+
+        opts["lock"] = multiprocessing.get_context("spawn").Lock()
+        print(f"fake: semaphore {opts['lock']._semlock.name}", flush=True)
+    if opts.get("--ipc-socket"):
+        # Like vLLM's ZMQ IPC endpoints: a unix socket bound as $VLLM_RPC_BASE_PATH/<uuid>
+        # (default /tmp), which nothing unlinks when the process dies.
+        import socket
+        import tempfile
+        import uuid
+
+        base = os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir())
+        opts["ipc"] = socket.socket(socket.AF_UNIX)
+        opts["ipc"].bind(f"{base}/{uuid.uuid4()}")
+        # And like its torch.distributed file store, $TMPDIR/vllm_dist_<uuid>.
+        os.close(tempfile.mkstemp(prefix="vllm_dist_")[0])
+        print(f"fake: bound {base}", flush=True)
     if opts.get("--spawn-grandchild"):
         child = subprocess.Popen([sys.executable, __file__, "--grandchild"])
         print(f"fake: grandchild pid {child.pid}", flush=True)

@@ -28,6 +28,14 @@ from tests.planning import (
 )
 
 
+def _ipc(instance: str) -> dict[str, str]:
+    """The env every engine of the demo plan gets for its sockets and temp files
+    (tests/test_ipc.py checks it)."""
+    from epdctl import ipc
+
+    return ipc.engine_env(STATE, instance)
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_topology_plans(path: Path) -> None:
     topology = load_shipped(path)
@@ -108,8 +116,10 @@ def test_1e1pd_exact() -> None:
         "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8101", *quiet, *common,
         "--max-num-seqs", "128", "--ec-transfer-config", ec("ec_consumer", "pd-0"),
     )
-    assert encode.env == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    assert pd.env == {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert encode.env == {**_ipc("encode-0"), "CUDA_VISIBLE_DEVICES": "0",
+                          "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert pd.env == {**_ipc("pd-0"), "CUDA_VISIBLE_DEVICES": "1",
+                      "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert (encode.start_after, pd.start_after) == ((), ())
     assert result.proxy.argv == (
         PY, "-m", "epdctl.proxy", "--host", "127.0.0.1", "--port", "8000", "--model", MODEL,
@@ -135,10 +145,10 @@ def test_1e1p1d_exact() -> None:
     # D consumes the encoder cache too, or it re-runs the vision tower.
     assert json_flag(decode, "--ec-transfer-config")["ec_role"] == "ec_consumer"
     assert json_flag(encode, "--kv-transfer-config") is None
-    assert prefill.env == {"UCX_TLS": "all", "UCX_NET_DEVICES": "all",
+    assert prefill.env == {**_ipc("prefill-0"), "UCX_TLS": "all", "UCX_NET_DEVICES": "all",
                            "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
                            "CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    assert decode.env == {"UCX_TLS": "all", "UCX_NET_DEVICES": "all",
+    assert decode.env == {**_ipc("decode-0"), "UCX_TLS": "all", "UCX_NET_DEVICES": "all",
                           "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
                           "CUDA_VISIBLE_DEVICES": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert (prefill.side_channel_port, decode.side_channel_port) == (5600, 5601)
@@ -348,7 +358,7 @@ def test_user_env_and_command_win() -> None:
         engine={"command": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"]},
     )
     (pd,) = demo_plan(topology).instances
-    assert pd.env == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert pd.env == {**_ipc("pd-0"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     assert pd.argv[:5] == ("python", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL)
 
 
@@ -369,7 +379,9 @@ def test_plan_spec_lookup_and_shell() -> None:
     with pytest.raises(KeyError):
         result.spec("decode-0")
     shell = result.spec("encode-0").shell()
-    assert shell.startswith("CUDA_VISIBLE_DEVICES=0 CUDA_DEVICE_ORDER=PCI_BUS_ID vllm serve ")
+    ipc_env = " ".join(f"{k}={v}" for k, v in _ipc("encode-0").items())
+    assert shell.startswith(f"{ipc_env} CUDA_VISIBLE_DEVICES=0 CUDA_DEVICE_ORDER=PCI_BUS_ID "
+                            "vllm serve ")
     assert "'--ec-transfer-config' " not in shell and "--ec-transfer-config '{" in shell
 
 

@@ -61,4 +61,12 @@ def test_derived_argv_and_env_equal_the_plan_before_the_refactor(name: str, home
                     "health_url": s.health_url, "log_path": str(s.log_path),
                     "gpus": list(s.gpus), "side_channel_port": s.side_channel_port,
                     "start_after": list(s.start_after)} for s in result.specs}
+    # Added since the golden file: each engine's IPC sockets and temp files in a directory
+    # of the run (tests/test_ipc.py).
+    from epdctl import ipc
+
+    for spec_name, spec in got.items():
+        if spec["role"] != "proxy":
+            added = ipc.engine_env(Path("/state") / topology.name, spec_name)
+            assert {k: spec["env"].pop(k) for k in added} == added
     assert got == GOLDEN[name]

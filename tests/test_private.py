@@ -74,6 +74,17 @@ def test_make_dir_refuses_another_users_directory(tmp_path: Path) -> None:
         private.make_dir(theirs, "the thing", "use another", CacheError)
 
 
+def test_make_dir_refuses_another_uids_directory_as_any_user(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chown refusal without root: the directory is this user's, and epdctl runs as if
+    its user were another uid."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    monkeypatch.setattr(os, "geteuid", lambda: OTHER)
+    with pytest.raises(CacheError, match=rf"belongs to uid {ME}, not to you \(uid {OTHER}\)"):
+        private.make_dir(theirs, "the thing", "use another", CacheError)
+
+
 def test_own_dir_and_files_are_private(tmp_path: Path) -> None:
     old = tmp_path / "old"
     old.mkdir(mode=0o755)

@@ -51,8 +51,9 @@ def test_an_older_state_dir_is_made_private(tmp_path: Path) -> None:
     assert mode(sdir.path) == 0o700
 
 
-@pytest.mark.parametrize("how", ["world-writable", "other-owner", "symlink"])
-def test_a_state_dir_that_is_not_the_users_alone_is_refused(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize("how", ["world-writable", "other-owner", "other-uid", "symlink"])
+def test_a_state_dir_that_is_not_the_users_alone_is_refused(
+        tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sdir = StateDir(tmp_path / "demo")
     if how == "symlink":
         (tmp_path / "elsewhere").mkdir()
@@ -64,6 +65,11 @@ def test_a_state_dir_that_is_not_the_users_alone_is_refused(tmp_path: Path, how:
         sdir.path.mkdir()
         os.chown(sdir.path, 65534, 65534)
         why = "it belongs to uid 65534"
+    elif how == "other-uid":  # the chown refusal without root: epdctl runs as another uid
+        sdir.path.mkdir()
+        me = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: 65534 if me != 65534 else 65533)
+        why = f"it belongs to uid {me}"
     else:
         sdir.path.mkdir()
         os.chmod(sdir.path, 0o1777)  # own_dir leaves it: group/others may have put files in it

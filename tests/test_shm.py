@@ -69,6 +69,50 @@ def test_down_unlinks_them_when_the_supervisor_is_gone_too(
     assert not path.exists()
 
 
+def _semaphores() -> set[Path]:
+    return set(Path("/dev/shm").glob("sem.*"))
+
+
+def test_down_unlinks_the_named_semaphore_of_a_sigkilled_group(
+    epdctl, fake_topology, state_root
+) -> None:
+    """sem_open maps a semaphore under a temporary name it then unlinks, so only the inode
+    ties `sem.mp-*` to the group: the supervisor records it, `down` removes it."""
+    before = _semaphores()
+    try:
+        up(epdctl, fake_topology(pd_args=("--semaphore",)))
+        state = json.loads((state_root / "fake" / "state.json").read_text())
+        new = _semaphores() - before
+        assert len(new) == 1 and next(iter(new)).name.startswith("sem.mp-"), new
+        assert state["records"]["pd-0"]["shm_files"] == [str(p) for p in new]
+        kill_supervisor(state_root)
+        _kill_group(state_root, "pd-0")  # its resource tracker goes too: nobody unlinks it
+        pid = run_pids(state_root)["pd-0"]
+        end = time.monotonic() + 15
+        while is_running(pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not is_running(pid)
+        assert all(p.exists() for p in new)
+        assert epdctl("down").exit_code == 0
+        assert _semaphores() - before == set()
+    finally:
+        release(str(p) for p in _semaphores() - before)
+
+
+def test_mapped_files_names_a_semaphore_by_its_inode() -> None:
+    import multiprocessing
+
+    before = _semaphores()
+    lock = multiprocessing.get_context("spawn").Lock()
+    name = f"/dev/shm/sem.{lock._semlock.name.lstrip('/')}"  # type: ignore[attr-defined]
+    assert {str(p) for p in _semaphores() - before} == {name}
+    assert name in mapped_files(os.getpgid(0))
+    assert release([name]) == []  # this process maps it
+    assert Path(name).exists()
+    del lock  # its finalizer unlinks it (and tells the resource tracker)
+    assert not Path(name).exists()
+
+
 def test_release_keeps_files_still_mapped(tmp_path: Path) -> None:
     import mmap
 

@@ -7,10 +7,12 @@ import io
 import itertools
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from epdctl import ipc
 from epdctl.shm import mapped_files, release
 
 if TYPE_CHECKING:
@@ -89,6 +92,8 @@ class Server:
     proc: subprocess.Popen[bytes]
     argv: tuple[str, ...] = field(default=())
     shm_files: list[str] = field(default_factory=list)
+    ipc_dir: Path | None = None
+    """Where its ZMQ IPC sockets go (VLLM_RPC_BASE_PATH, not /tmp); removed by stop()."""
 
     @property
     def url(self) -> str:
@@ -139,6 +144,8 @@ class Server:
         except subprocess.TimeoutExpired:
             pass
         release(self.shm_files)
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -182,6 +189,12 @@ def start_vllm(
     )
     full_env = {**os.environ, **CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": next_core()}
     full_env.update(env or {})
+    ipc_dir = None
+    if "VLLM_RPC_BASE_PATH" not in full_env:  # vLLM's sockets would stay in /tmp
+        ipc_dir = Path(tempfile.mkdtemp(prefix="epdctl-test-ipc-"))  # 0700, a short path
+        # Its temp files too (vllm_dist_*), as epdctl's plan does (epdctl/ipc.py).
+        full_env.update({ipc.RPC_ENV: str(ipc_dir), "TMPDIR": str(ipc_dir),
+                         "TORCHINDUCTOR_CACHE_DIR": ipc.inductor_cache_dir()})
     with open(log_path, "ab") as log:
         log.write(f"--- harness start {' '.join(argv)}\n".encode())
         log.flush()
@@ -190,7 +203,7 @@ def start_vllm(
             stderr=subprocess.STDOUT, start_new_session=True,
         )
     return Server(name=name or f"vllm-{port}", model=str(model), port=port,
-                  log_path=log_path, proc=proc, argv=argv)
+                  log_path=log_path, proc=proc, argv=argv, ipc_dir=ipc_dir)
 
 
 class ServerStartError(RuntimeError):

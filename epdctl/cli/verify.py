@@ -76,7 +76,6 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
     from epdctl.cli._verify_render import mismatches, verify_table
     from epdctl.cli.views import proxy_url
     from epdctl.errors import VerifyError
-    from epdctl.launcher import stop_all
     from epdctl.run import require_ready
     from epdctl.state import StateDir
     from epdctl.topology import load_topology, require_local_model
@@ -125,7 +124,7 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
                 f"  {r.prompt.name}: {'ok' if r.is_ok else 'FAILED'}", markup=False))
     finally:
         if baseline is not None:
-            stop_all([baseline[1]])
+            base.stop(*baseline, sdir.path)
         if is_started and not should_keep:
             _stop_topology(app, sdir)
     check = _cache_check(probe, "encode" in topology.roles)

@@ -27,6 +27,9 @@ _LOCAL_ENV = (
     "VLLM_CPU_OMP_THREADS_BIND",
     "VLLM_EC_SIDE_CHANNEL_HOST",
     "VLLM_EC_SIDE_CHANNEL_PORT",
+    "VLLM_RPC_BASE_PATH",  # a directory of the local run, and its temp files (epdctl.ipc)
+    "TMPDIR",
+    "TORCHINDUCTOR_CACHE_DIR",
 )
 
 

@@ -1,8 +1,8 @@
-"""`epdctl bench` progress: elapsed / estimated time per load point, on a fake clock."""
+"""`epdctl bench` progress: elapsed / estimated time per load point, on a fake clock (how
+the CLI shows it: tests/cli/test_bench_progress.py)."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -10,14 +10,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from rich.console import Console
 
 from epdctl.bench import runner
 from epdctl.bench.arms import derive_arms
 from epdctl.bench.runner import ArmRun, PointRun, _estimate, _run_point
 from epdctl.bench.workload import LoadPoint, Workload
-from epdctl.cli._app import App
-from epdctl.cli._bench_render import TICK_EVERY_S, BenchProgress
 from epdctl.plan import plan
 from epdctl.state import RunState, Settings
 from epdctl.topology import parse_topology
@@ -119,42 +116,3 @@ def test_a_point_without_a_rate_has_no_estimate_on_the_first_arm(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: list[float]) -> None:
     progress = run_point(tmp_path, monkeypatch, clock, 2, [61.0, 62.0])
     assert progress.ticks == ["  epd: load point 3/3 (concurrency 8): 1m01s / ?"]
-
-
-def bench_progress(monkeypatch: pytest.MonkeyPatch, *, interactive: bool
-                   ) -> tuple[BenchProgress, io.StringIO, list[float]]:
-    from epdctl.cli import _bench_render
-
-    now = [1000.0]
-    monkeypatch.setattr(_bench_render, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    app = App(state_root=Path("unused"))
-    err = io.StringIO()
-    app.err = Console(file=err, force_terminal=interactive, force_interactive=interactive,
-                      width=120)
-    return BenchProgress(app), err, now
-
-
-def test_without_a_terminal_a_tick_is_printed_every_thirty_seconds(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    progress, err, now = bench_progress(monkeypatch, interactive=False)
-    for moment, text in [(0.0, "a 0s"), (10.0, "a 10s"), (TICK_EVERY_S - 0.1, "a 29s"),
-                         (TICK_EVERY_S, "a 30s"), (TICK_EVERY_S + 1, "a 31s"),
-                         (2 * TICK_EVERY_S, "a 1m00s")]:
-        now[0] = 1000.0 + moment
-        progress.tick(text)
-    assert err.getvalue() == "a 0s\na 30s\na 1m00s\n"
-
-
-def test_on_a_terminal_the_status_line_shows_the_latest_tick(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    progress, _, _ = bench_progress(monkeypatch, interactive=True)
-    try:
-        progress.tick("  epd: load point 1/2 (1 req/s): 1s / ~10s")
-        progress.tick("  epd: load point 1/2 (1 req/s): 2s / ~10s")
-        assert progress.status is not None
-        assert str(progress.status.renderable.text) == (  # type: ignore[attr-defined]
-            "  epd: load point 1/2 (1 req/s): 2s / ~10s")
-        progress.line("  epd: load point 1/2 (1 req/s): done in 3s")
-        assert progress.status is None  # a line ends the status line
-    finally:
-        progress.close()

@@ -67,11 +67,24 @@ def test_a_recycled_file_of_an_older_epdctl_becomes_private(store: Store) -> Non
     assert _recycle.claim(store.free, str(store.tmp / "t"), 1) is None  # the pool is empty
 
 
-def plant(root: Path, how: str) -> Store:
-    """A namespace dir holding a valid entry `k`, then made another user's or world-writable."""
+def plant(root: Path, how: str, monkeypatch: pytest.MonkeyPatch) -> Store:
+    """A namespace dir holding a valid entry `k`, then made another user's or world-writable
+    (other-uid, without root: what lstat says of it and in it names another owner)."""
     planted = Store(root, NS).create()
     planted.publish("k", payload(2), dtype="float32", shape=(2, 8))
-    if how == "other-owner":
+    if how == "other-uid":
+        real = os.lstat
+
+        def lstat(path: str | os.PathLike[str], *args: object, **kw: object) -> os.stat_result:
+            st = real(path, *args, **kw)  # type: ignore[arg-type]
+            if not os.fspath(path).startswith(str(planted.root)):
+                return st
+            fields = list(st)
+            fields[stat.ST_UID] = OTHER
+            return os.stat_result(fields)
+
+        monkeypatch.setattr(os, "lstat", lstat)
+    elif how == "other-owner":
         for dirpath, _, files in os.walk(planted.root):
             os.chown(dirpath, OTHER, OTHER)
             for name in files:
@@ -82,16 +95,18 @@ def plant(root: Path, how: str) -> Store:
 
 
 HOWS = [pytest.param("other-owner", marks=pytest.mark.skipif(
-    not IS_ROOT, reason="chown to another uid needs root")), "world-writable"]
+    not IS_ROOT, reason="chown to another uid needs root")), "world-writable", "other-uid"]
+ME = os.geteuid()
 
 
 @pytest.mark.parametrize("how", HOWS)
-def test_a_planted_entry_is_never_loaded(store_root: Path, how: str) -> None:
-    planted = plant(store_root, how)
+def test_a_planted_entry_is_never_loaded(store_root: Path, how: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = plant(store_root, how, monkeypatch)
     with pytest.raises(CacheError) as err:
         Store(store_root, NS).create()
-    why = (f"it belongs to uid {OTHER}, not to you (uid {os.geteuid()})"
-           if how == "other-owner" else "group or others can write to it (mode 0777)")
+    why = (f"it belongs to uid {OTHER}, not to you (uid {ME})" if how != "world-writable"
+           else "group or others can write to it (mode 0777)")
     assert str(err.value).startswith(f"refusing the EC store `{planted.root}`: {why}")
     assert str(err.value).endswith("or set cache.dir to a directory of your own")
     # The connector's way: a store that is refused, not an error.
@@ -106,9 +121,9 @@ def test_a_planted_entry_is_never_loaded(store_root: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", HOWS)
-def test_janitor_and_cache_commands_refuse_a_planted_namespace(store_root: Path,
-                                                              how: str) -> None:
-    planted = plant(store_root, how)
+def test_janitor_and_cache_commands_refuse_a_planted_namespace(
+        store_root: Path, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = plant(store_root, how, monkeypatch)
     calls = [lambda: inspect(store_root), lambda: clean(store_root, all=True),
              lambda: enforce(planted.root, capacity_bytes=0, ttl_s=0, grace_s=0),
              lambda: keep_topology_store(planted.root, "ns", capacity_bytes=0, ttl_s=0,
@@ -119,8 +134,9 @@ def test_janitor_and_cache_commands_refuse_a_planted_namespace(store_root: Path,
     assert os.listdir(planted.entries) == ["k.ec"]  # nothing was removed either
 
 
-@pytest.mark.parametrize("how", ["symlink", "world-writable", "other-owner"])
-def test_a_root_that_is_not_the_users_alone_is_refused(store_root: Path, how: str) -> None:
+@pytest.mark.parametrize("how", ["symlink", "world-writable", "other-owner", "other-uid"])
+def test_a_root_that_is_not_the_users_alone_is_refused(
+        store_root: Path, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     root = store_root / "root"
     if how == "symlink":
         (store_root / "elsewhere").mkdir()
@@ -130,6 +146,11 @@ def test_a_root_that_is_not_the_users_alone_is_refused(store_root: Path, how: st
         root.mkdir()
         os.chmod(root, 0o1777)
         why = "group or others can write to it (mode 1777)"
+    elif how == "other-uid":  # the chown refusal without root: epdctl runs as another uid
+        root.mkdir()
+        me = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: OTHER if me != OTHER else OTHER - 1)
+        why = f"it belongs to uid {me}"
     else:
         if not IS_ROOT:
             pytest.skip("chown to another uid needs root")

@@ -1,4 +1,9 @@
-"""topologies/cpu-epd.yaml (E|P|D, tiny LLaVA) for real: up, requests, cache hits, verify, down."""
+"""topologies/cpu-epd.yaml (E|P|D, tiny LLaVA) for real: up, requests, cache hits, verify, down.
+
+As shipped (no overlap); overlap, a proxy setting alone, is tested on a second proxy with
+`--overlap` before the same engines (tests/e2e/second_proxy.py): no second start of three
+engines.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.parity import bench, compare, missing_image, responses_image_entry
+from tests.e2e.second_proxy import second_proxy
 from tests.e2e.topology_run import (
     TopologyRun,
     cache_entry,
@@ -31,12 +37,11 @@ INSTANCES = ("encode-0", "prefill-0", "decode-0")
 def epd(
     tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TopologyRun, Server]]:
-    """cpu-epd.yaml with free ports, a private store, DEBUG logs and overlap (P gets each
-    request beside E's), plus its baseline."""
+    """cpu-epd.yaml as shipped, with free ports, a private store and DEBUG logs, plus its
+    baseline."""
     tmp = tmp_path_factory.mktemp("cpu-epd")
     path, cache_dir = write_topology("cpu-epd", tmp, tiny_llava,
-                                     env={"VLLM_LOGGING_LEVEL": "DEBUG"},
-                                     proxy={"overlap": True})
+                                     env={"VLLM_LOGGING_LEVEL": "DEBUG"})
     # P and D use 32-token KV blocks; so does the baseline, so the kernels match too.
     with topology_with_baseline(path, cache_dir, tmp / "state", tiny_llava,
                                 ("--block-size", "32")) as servers:
@@ -96,20 +101,30 @@ def test_repeated_image_is_loaded_from_the_store(epd: tuple[TopologyRun, Server]
     assert f"Finish execute for mm hash {key}" in run.log("encode-0")
 
 
-def test_p_gets_a_new_image_while_e_encodes_it(epd: tuple[TopologyRun, Server]) -> None:
-    """Overlap in E|P|D: P has the request while E encodes, loads E's entry, and the answer
-    is the aggregated baseline's."""
+def test_with_overlap_p_gets_a_new_image_while_e_encodes_it(
+    epd: tuple[TopologyRun, Server],
+) -> None:
+    """Overlap in E|P|D (on a second proxy with `--overlap`; the shipped one overlapped
+    nothing): P has the request while E encodes, loads E's entry, and the answers, streamed
+    or not, are the aggregated baseline's."""
     from epdctl.proxy.media import content_key
 
     run, baseline = epd
-    assert chat(run.proxy_url, MODEL, image_urls=[image_data_url(make_image(52))])  # learns
-    before = proxy_counters(run)["overlapped"]
-    png = make_image(53)
-    key, url = content_key("image", png), image_data_url(png)
-    start = len(run.log("prefill-0"))
-    answer = chat(run.proxy_url, MODEL, image_urls=[url])
-    assert answer and answer == chat(baseline.base_url, baseline.model, image_urls=[url])
-    assert proxy_counters(run)["overlapped"] == before + 1
+    assert proxy_counters(run)["overlapped"] == 0  # as shipped, after the images above
+    with second_proxy(run, ["--overlap"]) as proxy:
+        assert chat(proxy, MODEL, image_urls=[image_data_url(make_image(52))])  # it learns
+        before = proxy_counters(run, proxy)["overlapped"]
+        png = make_image(53)
+        key, url = content_key("image", png), image_data_url(png)
+        start = len(run.log("prefill-0"))
+        answer = chat(proxy, MODEL, image_urls=[url])
+        theirs = chat(baseline.base_url, baseline.model, image_urls=[url])
+        assert answer and answer == theirs
+        assert proxy_counters(run, proxy)["overlapped"] == before + 1
+        streamed = image_data_url(make_image(56))
+        assert chat(proxy, MODEL, image_urls=[streamed], stream=True) == chat(
+            baseline.base_url, baseline.model, image_urls=[streamed])
+        assert proxy_counters(run, proxy)["overlapped"] == before + 2
     loaded = f"Success load encoder cache for hash {key}"
     assert wait_for(lambda: loaded in run.log("prefill-0")[start:]), run.log("prefill-0")[-3000:]
     for name in ("prefill-0", "decode-0"):

@@ -38,6 +38,8 @@ class TopologyRun:
     state_root: Path
     cache_dir: Path
     env: dict[str, str] = field(default_factory=dict)
+    semaphores_before: frozenset[str] = frozenset()
+    """The named semaphores in /dev/shm before its `up` (someone else's)."""
 
     @property
     def name(self) -> str:
@@ -114,34 +116,47 @@ def cli_env() -> dict[str, str]:
 
 
 @contextmanager
+def baseline_server(model: Path, log_path: Path, args: Sequence[str] = ()) -> Iterator[Server]:
+    """An aggregated baseline, starting (wait_all_ready before use); stopped after."""
+    baseline = start_vllm(model, log_path=log_path, name="baseline", args=args)
+    try:
+        yield baseline
+    finally:
+        stop_all([baseline])
+
+
+@contextmanager
+def topology_up(path: Path, cache_dir: Path, state_root: Path, *,
+                baseline: Server | None = None) -> Iterator[TopologyRun]:
+    """`up -d` the topology (and wait for the baseline starting meanwhile); down and clean
+    up after."""
+    from tests.e2e.leftovers import semaphores
+
+    run = TopologyRun(path, state_root, cache_dir, cli_env(), frozenset(semaphores()))
+    with release_new_semaphores():
+        try:
+            up = run.cli("up", str(path), "-d", "--timeout", str(READY_TIMEOUT_S),
+                         timeout_s=READY_TIMEOUT_S + 60)
+            assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
+            if baseline is not None:
+                wait_all_ready([baseline], READY_TIMEOUT_S)
+            yield run
+        finally:
+            if run.is_up():
+                run.cli("down", "--name", run.name, timeout_s=90)
+            _stop_leftovers(run)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+@contextmanager
 def topology_with_baseline(
     path: Path, cache_dir: Path, state_root: Path, baseline_model: Path,
     baseline_args: Sequence[str] = (),
 ) -> Iterator[tuple[TopologyRun, Server]]:
     """`up -d` the topology while an aggregated baseline starts; down and clean up after."""
-    run = TopologyRun(path, state_root, cache_dir, cli_env())
-    with release_new_semaphores():
-        yield from _with_baseline(run, path, cache_dir, state_root, baseline_model, baseline_args)
-
-
-def _with_baseline(
-    run: TopologyRun, path: Path, cache_dir: Path, state_root: Path, baseline_model: Path,
-    baseline_args: Sequence[str],
-) -> Iterator[tuple[TopologyRun, Server]]:
-    baseline = start_vllm(baseline_model, log_path=state_root / "baseline.log",
-                          name="baseline", args=baseline_args)
-    try:
-        up = run.cli("up", str(path), "-d", "--timeout", str(READY_TIMEOUT_S),
-                     timeout_s=READY_TIMEOUT_S + 60)
-        assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
-        wait_all_ready([baseline], READY_TIMEOUT_S)
-        yield run, baseline
-    finally:
-        stop_all([baseline])
-        if run.is_up():
-            run.cli("down", "--name", run.name, timeout_s=90)
-        _stop_leftovers(run)
-        shutil.rmtree(cache_dir, ignore_errors=True)
+    with baseline_server(baseline_model, state_root / "baseline.log", baseline_args) as base:
+        with topology_up(path, cache_dir, state_root, baseline=base) as run:
+            yield run, base
 
 
 def _semaphores() -> set[str]:
@@ -237,19 +252,50 @@ def check_verify(run: TopologyRun, baseline: Server) -> dict[str, Any]:
     return doc
 
 
-def check_down(run: TopologyRun) -> None:
-    """`down` stops every recorded process group and leaves no store or vLLM shm files."""
+def check_down(run: TopologyRun, *, sigkill: bool = False) -> None:
+    """`down` stops every recorded process group and leaves no store or vLLM shm files, no
+    named semaphore, and none of the sockets or temp files the run held (its IPC sockets
+    were all in directories of the run, removed too). With `sigkill`, the supervisor and
+    every engine group get SIGKILL first, so nothing of theirs cleans up after them."""
+    import signal
+
+    from tests.conftest import is_running
+    from tests.e2e.leftovers import (
+        check_held_privately,
+        check_nothing_left,
+        ipc_dirs,
+        semaphores,
+        tmp_sockets,
+        unmapped,
+    )
+
     namespace_dir = Path(run.state().store_dir)
     assert namespace_dir.is_dir()
     shm = shm_files(run)
     assert shm, "the instances map no /dev/shm file: the check below would prove nothing"
+    recorded = {f for r in run.state().records.values() for f in r.shm_files}
+    assert any(Path(f).name.startswith("sem.") for f in recorded), recorded
+    held, dirs, sockets = check_held_privately(run), ipc_dirs(run), tmp_sockets()
+    if sigkill:
+        state = run.state()
+        engines = [r for r in state.records.values() if r.name != "proxy"]
+        os.kill(state.supervisor.pid, signal.SIGKILL)
+        for record in engines:
+            os.killpg(record.pgid, signal.SIGKILL)
+        assert wait_for(lambda: not any(is_running(r.pid) for r in [state.supervisor,
+                                                                     *engines]))
+        assert [s for s in held.sockets if not os.path.lexists(s)] == []  # none unlinked
+        assert [f for f in recorded if not os.path.exists(f)] == []
     result = run.cli("down", timeout_s=90)
     assert result.returncode == 0, result.stderr
     assert not (run.run_dir / "state.json").exists()
     assert leftovers(run) == []
     assert not namespace_dir.exists()
     assert store_files(run.cache_dir) == []
-    assert [p for p in shm if Path(p).exists()] == []
+    assert [p for p in shm | recorded if Path(p).exists()] == []
+    check_nothing_left(held, dirs)
+    assert tmp_sockets() - sockets == set()  # and no new socket in the temp dir at all
+    assert unmapped(semaphores() - run.semaphores_before) == set()  # (a baseline's is mapped)
 
 
 def shm_files(run: TopologyRun) -> set[str]:
@@ -284,13 +330,14 @@ def cache_entry(run: TopologyRun, key: str) -> dict[str, Any] | None:
     return None
 
 
-def proxy_counters(run: TopologyRun) -> dict[str, float]:
-    """The proxy's store lookups, items skipped and sent, requests overlapped (/metrics)."""
+def proxy_counters(run: TopologyRun, url: str | None = None) -> dict[str, float]:
+    """The proxy's (or the one at `url`'s) store lookups, items skipped and sent, requests
+    overlapped (/metrics)."""
     import re
     import urllib.request
 
     key = run.state().proxy_api_key
-    request = urllib.request.Request(f"{run.proxy_url}/metrics", headers={
+    request = urllib.request.Request(f"{url or run.proxy_url}/metrics", headers={
         "authorization": f"Bearer {key}"} if key else {})
     with urllib.request.urlopen(request, timeout=10) as reply:
         text = reply.read().decode()

@@ -172,8 +172,8 @@ def test_process_maps_a_dead_instance_to_502(tmp_path, has_speedups):
     start = ["-m", "epdctl.proxy"] if has_speedups else ["-c", WITHOUT_SPEEDUPS]
     proc = subprocess.Popen(
         [sys.executable, *start, "--port", str(port), "--model", MODEL,
-         "--prefill-decode", f"http://127.0.0.1:{dead}"], stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
+         "--prefill-decode", f"http://127.0.0.1:{dead}", "--health-interval", "0.2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 20
         while True:
@@ -186,7 +186,16 @@ def test_process_maps_a_dead_instance_to_502(tmp_path, has_speedups):
                 assert time.time() < deadline
                 time.sleep(0.1)
         assert r.status_code == 502 and r.json()["error"]["code"] == 502
-        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code in (200, 503)
+        # /health turns 503 once the health loop has ejected the dead instance (until then
+        # it has not failed a probe yet): wait for that, then it says who is out.
+        health = f"http://127.0.0.1:{port}/health"
+        while (h := httpx.get(health)).status_code == 200:
+            assert time.time() < deadline + 20, h.text
+            time.sleep(0.1)
+        assert h.status_code == 503
+        assert {k: h.json()[k] for k in ("status", "roles")} == {
+            "status": "unavailable",
+            "roles": {"prefill_decode": {"in": [], "out": [f"http://127.0.0.1:{dead}"]}}}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(10) in (0, -signal.SIGTERM)

@@ -271,26 +271,37 @@ def _clear_error(reply: httpx.Response) -> str:
 
 
 class StoreWatch(threading.Thread):
-    """Samples the namespace's entry bytes twice a second; keeps the largest."""
+    """Samples the namespace's entry bytes twice a second: each sample, the largest, and when
+    each entry was first seen."""
 
     def __init__(self, entries: Path) -> None:
         super().__init__(daemon=True)
         self.entries = entries
         self.peak = 0
+        self.samples: list[tuple[float, int]] = []
+        self.first_seen: dict[str, float] = {}
         self.stop = threading.Event()
 
     def bytes_now(self) -> int:
         total = 0
+        now = time.monotonic()
         for path in self.entries.glob("*.ec"):
             try:
                 total += path.stat().st_size
             except FileNotFoundError:
                 continue
+            self.first_seen.setdefault(path.name, now)
         return total
 
     def run(self) -> None:
         while not self.stop.wait(0.5):
-            self.peak = max(self.peak, self.bytes_now())
+            size = self.bytes_now()
+            self.samples.append((time.monotonic(), size))
+            self.peak = max(self.peak, size)
+
+    def new_before(self, at: float, window_s: float) -> int:
+        """How many entries were first seen in the `window_s` seconds up to `at`."""
+        return sum(at - window_s < seen <= at for seen in self.first_seen.values())
 
 
 def test_mixed_load_loses_nothing(run: TopologyRun) -> None:
@@ -335,7 +346,9 @@ def test_mixed_load_loses_nothing(run: TopologyRun) -> None:
     assert sum(load.outcomes.values()) == len(load.sent)
     unclear = {k: v for k, v in load.outcomes.items() if not k.startswith(("ok", "error:"))}
     assert unclear == {}
-    assert load.outcomes["ok"] >= 0.95 * len(load.sent), load.outcomes
+    # Nothing lost: a request whose entry was evicted under it is resent with its image by
+    # the proxy, so none fails (errors would be clear ones, but there must be none).
+    assert load.outcomes == Counter(ok=len(load.sent)), load.outcomes
     assert len(load.sent) >= 4 * CONCURRENCY, "too little load to prove anything"
     assert set(load.kinds) == set(KINDS)
 
@@ -344,7 +357,18 @@ def test_mixed_load_loses_nothing(run: TopologyRun) -> None:
         image(REPEATED[0])[0]) else 4096 + 4 * 128 * 4
     assert counts["saves"] * entry_bytes > 3 * CAPACITY, "eviction was never needed"
     assert is_settled and settled <= CAPACITY
-    assert watch.peak <= CAPACITY + 300 * entry_bytes  # at most one janitor period over
+    # Between two janitor passes the store grows by what E saves; a pass takes it back to
+    # the budget but keeps entries younger than the grace (1 s: saved, or touched by a hit,
+    # as the repeated images are all along) and pinned ones (at most one per client). So no
+    # sample exceeds the budget by more than the entries new in one janitor period plus the
+    # grace (and a second of scheduling), the repeated images and one pin per client.
+    from epdctl.supervisor import JANITOR_INTERVAL_S
+
+    window_s = JANITOR_INTERVAL_S + 1.0 + 1.0
+    over = [(at - begin, size, watch.new_before(at, window_s)) for at, size in watch.samples
+            if size > CAPACITY + (watch.new_before(at, window_s) + len(REPEATED) + CONCURRENCY)
+            * entry_bytes]
+    assert over == [], (entry_bytes, over)
     assert counts["hits"] > 0
 
     # Memory is bounded and no engine died or restarted.
