@@ -18,7 +18,7 @@ def test_ec_store_that_others_can_write_to_fails(tmp_path: Path) -> None:
     check = check_ec_store(topo, disk(free_gib=3), lambda p: "tmpfs", lambda p: True)
     assert check == Check(
         "ec-store", "fail", f"{root}: group or others can write to it (mode 0777)",
-        f"remove it (epdctl creates it with mode 0700), or `chmod go-w {root}` if you trust "
+        f"remove it (epdctl creates it with mode 0700), or `chmod go= {root}` if you trust "
         "what is in it, or set cache.dir to a directory of your own")
     os.chmod(root, 0o700)
     ok = check_ec_store(topo, disk(free_gib=3), lambda p: "tmpfs", lambda p: True)
