@@ -10,6 +10,7 @@ vLLM's processes.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -103,11 +104,17 @@ def open_file(path: str | os.PathLike[str], flags: int) -> int:
     """os.open of a file that may exist already (a lock, a log): created 0600, never through
     a link (O_NOFOLLOW: ELOOP), and an existing one must be a regular file of ours (else
     OSError; one of ours is made 0600). For a file written whole, use write_file."""
-    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "it is a symbolic link (never followed)",
+                          str(path)) from None
+        raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise PermissionError(f"{path} is not a regular file of yours; remove it")
+            raise PermissionError(errno.EPERM, "it is not a regular file of yours", str(path))
         if stat.S_IMODE(st.st_mode) & _SHARED:
             os.fchmod(fd, FILE_MODE)
     except BaseException:

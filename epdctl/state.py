@@ -262,7 +262,11 @@ class StateDir:
     def lock(self) -> int:
         """Take the supervisor lock (non-blocking); AlreadyRunningError if someone holds it."""
         self.make()
-        fd = private.open_file(self.lock_file, os.O_RDWR)
+        try:
+            fd = private.open_file(self.lock_file, os.O_RDWR)
+        except OSError as exc:  # a link, or a file that is not ours, planted at its name
+            raise StateError(f"cannot open {self.lock_file}: {exc.strerror or exc}; remove "
+                             "it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
