@@ -253,3 +253,43 @@ def test_every_connector_gets_a_private_namespace_dir_before_the_engines_start(
     assert result.stderr.startswith(f"Error: refusing the EC store `{ns_dir}`: group or "
                                     "others can write to it (mode 0777)")
     assert not (state_root / "fake" / "state.json").exists()
+
+
+def test_a_kept_fresh_root_is_found_again_by_the_next_up(epdctl, default_topology,
+                                                         state_root, shm_base: Path) -> None:
+    squatted = shm_base / f"epdctl-{ME}"
+    squat(squatted, 0o755)
+    topo = default_topology()
+    assert epdctl("up", str(topo), "-d", "--timeout", "20").exit_code == 0
+    root = Path(state_of(state_root).store_dir).parent
+    assert epdctl("down", "--keep-cache").exit_code == 0
+    assert root.is_dir()
+    again = epdctl("up", str(topo), "-d", "--timeout", "20")
+    try:
+        assert again.exit_code == 0, again.stderr
+        assert Path(state_of(state_root).store_dir).parent == root
+        assert f"this run's store is `{root}`" in again.stderr
+    finally:
+        assert epdctl("down").exit_code == 0
+    assert not root.exists()
+
+
+def test_up_records_the_namespaces_this_topology_used(epdctl, fake_topology,
+                                                      state_root: Path) -> None:
+    from epdctl.store_root import earlier_namespaces
+
+    first = fake_topology()
+    assert epdctl("up", str(first), "-d", "--timeout", "20").exit_code == 0
+    old = Path(state_of(state_root).store_dir)
+    assert earlier_namespaces(state_root / "fake", old.parent) == {old.name}
+    assert epdctl("down", "--keep-cache").exit_code == 0
+    # Another dtype: another namespace, for the same topology.
+    second = fake_topology(encode_args=("--dtype", "float16"), pd_args=("--dtype", "float16"))
+    result = epdctl("up", str(second), "-d", "--timeout", "20")
+    assert result.exit_code == 0, result.stderr
+    try:
+        new = Path(state_of(state_root).store_dir)
+        assert new != old and new.parent == old.parent
+        assert earlier_namespaces(state_root / "fake", new.parent) == {old.name, new.name}
+    finally:
+        assert epdctl("down").exit_code == 0
