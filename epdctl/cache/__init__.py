@@ -30,7 +30,7 @@ def default_store_root(uid: int | None = None) -> str:
 
 def make_store_dir(path: str | os.PathLike[str]) -> Path:
     """Create a store root or namespace dir with mode 0700, or take the one there if it is a
-    real directory of this user's that nobody else can write to; else CacheError (one line
+    real directory of this user's that nobody else can reach (0700); else CacheError (one line
     naming it and the fix). Another user's directory could be read, or hold planted entries."""
     return private.make_dir(path, _WHAT, _ELSEWHERE, CacheError)
 
