@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from epdctl.cache.store import Store
+from epdctl.store_root import record_namespace
 from tests.e2e.topology_run import (
     TopologyRun,
     cli_env,
@@ -95,10 +97,25 @@ def test_both_answer_and_keep_their_entries_through_a_minute_of_janitor_passes(
     mine, theirs = _entry_paths(ours, example, key)
     assert wait_for(mine.exists) and wait_for(theirs.exists)
     before = (mine.stat().st_ino, theirs.stat().st_ino)
+    # Beside them: a namespace of a stopped `cpu-demo-example-connector` on epdctl's store
+    # (a name cpu-demo's janitor once took for its own), and an earlier run's of cpu-demo,
+    # recorded in its state dir: the janitor's one namespace to remove.
+    bystander = _old_namespace(ours, f"cpu-demo-example-connector-{'ab' * 6}")
+    earlier = _old_namespace(ours, f"cpu-demo-{'cd' * 6}")
+    record_namespace(ours.run_dir, earlier.root.parent, earlier.namespace)
     for _ in range(JANITOR_PASSES):
         assert _janitor_pass(ours), "cpu-demo's janitor stopped running"
     assert (mine.stat().st_ino, theirs.stat().st_ino) == before  # the very same entries
+    assert bystander.has_entry("k") and not earlier.root.exists()
     assert [chat(run.proxy_url, MODEL, image_urls=[url]) for run in pair] == first
+
+
+def _old_namespace(ours: TopologyRun, name: str) -> Store:
+    """A namespace with one entry past every grace period, in cpu-demo's store root."""
+    store = Store(Path(ours.state().store_dir).parent, name).create()
+    store.publish("k", b"\0" * 64, dtype="uint8", shape=(64,))
+    os.utime(store.entry_path("k"), (1e9, 1e9))
+    return store
 
 
 def test_down_of_one_leaves_the_others_store_intact(
