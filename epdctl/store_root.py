@@ -57,8 +57,7 @@ def resolve_root(topology: Topology, state_dir: Path, *, is_dry_run: bool = Fals
     problem = _default_problem(default, create=not is_dry_run)
     if problem is None:
         return default
-    chosen = next((r for r in recorded_roots(state_dir) if is_fresh_root(r)
-                   and _problem(r) is None), None)
+    chosen = next((r for r in _fresh_roots(default, state_dir) if _problem(r) is None), None)
     if is_dry_run:
         where = f"`{chosen}`" if chosen else "a fresh private root of its own"
         _say(warn, f"warning: the EC store root `{default}` is not usable ({problem}); "
@@ -70,6 +69,18 @@ def resolve_root(topology: Topology, state_dir: Path, *, is_dry_run: bool = Fals
     _say(warn, f"warning: not using the EC store root `{default}` ({problem}); this run's "
                f"store is `{chosen}`, private to you")
     return chosen
+
+
+def _fresh_roots(default: Path, state_dir: Path) -> list[Path]:
+    """Fresh roots to reuse: this topology's (so a store kept by `down --keep-cache` is
+    found again), then any other of ours (one a `verify` planned with, say). Nobody else
+    can make a directory that is ours, so a private one of that name is one we made."""
+    recorded = [r for r in recorded_roots(state_dir) if is_fresh_root(r)]
+    try:
+        others = sorted(default.parent.glob(f"{default.name}-*"))
+    except OSError:
+        others = []
+    return list(dict.fromkeys([*reversed(recorded), *others]))
 
 
 def _default_problem(default: Path, *, create: bool) -> str | None:

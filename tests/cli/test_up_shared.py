@@ -293,3 +293,17 @@ def test_up_records_the_namespaces_this_topology_used(epdctl, fake_topology,
         assert earlier_namespaces(state_root / "fake", new.parent) == {old.name, new.name}
     finally:
         assert epdctl("down").exit_code == 0
+
+
+def test_a_fresh_root_of_ours_is_shared_not_multiplied(epdctl, default_topology, state_root,
+                                                       shm_base: Path) -> None:
+    squat(shm_base / f"epdctl-{ME}", 0o777)
+    ours = shm_base / f"epdctl-{ME}-k3yq9z"  # as an earlier up (or verify's plan) made it
+    ours.mkdir(mode=0o700)
+    result = epdctl("up", str(default_topology()), "-d", "--timeout", "20")
+    assert result.exit_code == 0, result.stderr
+    try:
+        assert Path(state_of(state_root).store_dir).parent == ours
+        assert sorted(os.listdir(shm_base)) == [f"epdctl-{ME}", ours.name]
+    finally:
+        assert epdctl("down").exit_code == 0
