@@ -3,7 +3,8 @@ a run's store is.
 
 - resolve_root: `cache.dir`, except that the default root (`/dev/shm/epdctl-<uid>`, which
   anyone can create first) is used only if it is the user's alone; otherwise the run gets a
-  fresh private root of epdctl's own (an unguessable name, 0700), said in one warning. The
+  private root of epdctl's own (one it made before, else a fresh one: an unguessable name,
+  0700), said in one warning. The
   plan puts the root into every engine's EC config and the proxy's argv, and state.json
   records it (`store_dir`), so every later command finds it. A `cache.dir` the user set is
   never swapped: `up` refuses it with the fix instead (run._claim).
