@@ -64,6 +64,13 @@ def is_custom(connector: str) -> bool:
     return ":" in connector
 
 
+def uses_store(connector: str) -> bool:
+    """Whether the connector keeps items under `cache.dir` (epdctl's store,
+    ECExampleConnector's files, or possibly one of your own): then `up` makes and checks the
+    namespace's directory before any engine starts. Mooncake and ECCPU keep nothing there."""
+    return connector not in (MOONCAKE, CPU)
+
+
 def problems(topology: Topology) -> list[str]:
     """Connector settings that cannot work, one line each (empty: fine)."""
     c, where = topology.cache, "cache -> connector"

@@ -132,13 +132,22 @@ class Run:
 
 def prepare(topology_path: Path, state_root: Path, *, is_dry_run: bool = False,
             warn: Warn | None = None, topology: Topology | None = None) -> Run:
-    """Load (unless given) and plan a topology; nothing is started or written. Unless for a
-    dry run, a local model path must exist, and the connectors must import where the engines
-    run."""
+    """Load (unless given) and plan a topology; nothing is started. Unless for a dry run, a
+    local model path must exist, the connectors must import where the engines run, and the
+    EC store root is made (the default one, or a fresh private one when the default is not
+    the user's alone: store_root.resolve_root)."""
+    from epdctl.store_root import resolve_root
+
     topology = topology or load_topology(topology_path)
     if not is_dry_run:
         require_local_model(topology)
-    plan = make_plan(topology, state_root / topology.name, is_dry_run=is_dry_run, warn=warn)
+    state_dir = state_root / topology.name
+    # Resolved before the plan: the engines' EC config and the proxy's argv name the root.
+    root = resolve_root(topology, state_dir, is_dry_run=is_dry_run, warn=warn)
+    if root != topology.cache.dir:
+        topology = topology.model_copy(
+            update={"cache": topology.cache.model_copy(update={"dir": root})})
+    plan = make_plan(topology, state_dir, is_dry_run=is_dry_run, warn=warn)
     if not is_dry_run:
         from epdctl.doctor import connector_problems
 
@@ -161,8 +170,6 @@ def _refuse_if_running(sdir: StateDir) -> None:
 
 def _claim(run: Run) -> tuple[RunState, int]:
     """Take the lock, check what must hold before anything starts, write state.json."""
-    from epdctl.cache import make_store_dir
-    from epdctl.cache.capacity import check_capacity
     from epdctl.ports import check_plan_ports
 
     sdir = run.sdir
@@ -170,16 +177,39 @@ def _claim(run: Run) -> tuple[RunState, int]:
     try:
         _refuse_if_running(sdir)
         check_plan_ports(run.plan)
-        if "encode" in run.topology.roles and run.plan.ec_connector == CONNECTOR_NAME:
-            check_capacity(run.topology.cache.dir, run.topology.cache.capacity)
-            # Made (or checked) before any engine starts: a planted one is refused here.
-            make_store_dir(run.plan.store_dir)
+        _claim_store(run)
         state = run.initial_state()
         sdir.write(state)
     except BaseException:
         sdir.unlock()
         raise
     return state, fd
+
+
+def _claim_store(run: Run) -> None:
+    """Make (or check) the store root and the namespace's directory before any engine
+    starts, whichever connector writes there: 0700 and the user's alone, so vLLM never
+    makes them with umask modes and a planted one is refused here (with the fix). Then the
+    namespace is recorded as this topology's (the janitor's proof, store_root)."""
+    from epdctl import private
+    from epdctl.cache import make_store_dir
+    from epdctl.cache.capacity import check_capacity
+    from epdctl.store_root import record_namespace, uses_store
+
+    if not uses_store(run.topology):
+        return
+    ns_dir = run.plan.store_dir
+    if run.plan.ec_connector == CONNECTOR_NAME:
+        check_capacity(ns_dir.parent, run.topology.cache.capacity)
+    else:
+        make_store_dir(ns_dir.parent)
+    # An earlier run's directory that others could read (vLLM made ECExampleConnector's
+    # with umask modes) but never write, in a root only we can reach: ours to tighten.
+    private.tighten(ns_dir)
+    make_store_dir(ns_dir)
+    last = run.sdir.last_run()
+    previous = (Path(last.store_dir).parent, last.namespace) if last else None
+    record_namespace(run.sdir.path, ns_dir.parent, run.plan.namespace, previous)
 
 
 def start_foreground(run: Run, timeout_s: float = STARTUP_TIMEOUT_S, *,

@@ -222,12 +222,10 @@ class StateDir:
         private.check_dir(self.path, "the state dir", "pick another --state-dir", StateError)
 
     def write(self, state: RunState) -> None:
-        """Atomically replace state.json (0600), so a reader never sees half a file."""
+        """Atomically replace state.json (0600, see private.write_file), so a reader never
+        sees half a file and a link planted at its name is not followed."""
         self.make()
-        tmp = self.state_file.with_name(f".state.json.{os.getpid()}.tmp")
-        with os.fdopen(private.open_file(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
-            f.write(state.model_dump_json(indent=1).encode())
-        os.replace(tmp, self.state_file)
+        private.write_file(self.state_file, state.model_dump_json(indent=1).encode())
 
     def retire(self) -> None:
         """Keep the last run's state as last-run.json (logs need the names); drop state.json."""
@@ -264,7 +262,11 @@ class StateDir:
     def lock(self) -> int:
         """Take the supervisor lock (non-blocking); AlreadyRunningError if someone holds it."""
         self.make()
-        fd = private.open_file(self.lock_file, os.O_RDWR)
+        try:
+            fd = private.open_file(self.lock_file, os.O_RDWR)
+        except OSError as exc:  # a link, or a file that is not ours, planted at its name
+            raise StateError(f"cannot open {self.lock_file}: {exc.strerror or exc}; remove "
+                             "it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -219,10 +219,13 @@ class Supervisor:
             return
         self._janitor_at = now
         from epdctl.cache.janitor import keep_topology_store
+        from epdctl.store_root import earlier_namespaces
 
         s = self.state.settings
+        ns_dir = Path(self.state.store_dir)
         try:
-            keep_topology_store(Path(self.state.store_dir), self.state.name,
+            keep_topology_store(ns_dir, self.state.name,
+                                earlier=earlier_namespaces(self.sdir.path, ns_dir.parent),
                                 capacity_bytes=s.cache_capacity_bytes, ttl_s=s.cache_ttl_s,
                                 grace_s=s.cache_grace_s)
         except Exception as exc:  # the janitor must never take the topology down

@@ -114,8 +114,10 @@ class Cache(BaseModel):
     """Given to every instance as `ec_connector_extra_config`, over what epdctl plans."""
     dir: Path = Field(default_factory=lambda: Path(cache.default_store_root()))
     """Store root, one sub-directory per namespace; should be on tmpfs; default
-    `/dev/shm/epdctl-<uid>`. It must be a directory of yours that nobody else can write to
-    (epdctl creates it with mode 0700). A relative path is relative to the topology file."""
+    `/dev/shm/epdctl-<uid>` (if someone else made that one first, `up` uses a fresh private
+    root of its own and says so). It must be a directory of yours that nobody else can
+    reach (epdctl creates it with mode 0700). A relative path is relative to the topology
+    file."""
     capacity: Bytes = 8 << 30
     """Byte budget the janitor keeps the namespace under (`8GiB`, `512MiB`, or bytes)."""
     ttl: Seconds = 1800.0

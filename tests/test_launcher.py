@@ -24,6 +24,7 @@ from epdctl.launcher import (
 from epdctl.plan import LaunchSpec
 from epdctl.run import prepare
 from epdctl.state import StateDir
+from epdctl.store_root import record_namespace
 from epdctl.supervisor import Supervisor
 from tests.conftest import FAKE_SERVER, free_ports
 from tests.conftest import is_running as running
@@ -232,8 +233,12 @@ def test_janitor_keeps_the_namespace_budget_and_drops_stale_own_namespaces(
     sup = supervisor_for(tmp_path, fake_topology(cache="capacity: 1MiB, ttl: 60"))
     store = Path(sup.state.store_dir)
     root = store.parent
+    root.mkdir(mode=0o700)
     for ns in (f"{sup.state.name}-0123456789ab", "other-topology-0123456789ab", store.name):
-        (root / ns / "entries").mkdir(parents=True)
+        (root / ns).mkdir(mode=0o700)
+        (root / ns / "entries").mkdir(mode=0o700)
+    # Only a namespace an earlier run of this topology recorded is its own to drop.
+    record_namespace(sup.sdir.path, root, f"{sup.state.name}-0123456789ab")
     assert sup.run() == 143
     assert calls[0] == (store, {"capacity_bytes": 1 << 20, "ttl_s": 60.0, "grace_s": 120.0})
     assert calls[1][0] == root

@@ -27,14 +27,19 @@ def fake_stat(mode: int, uid: int = ME) -> os.stat_result:
     (fake_stat(stat.S_IFDIR | 0o770), "group or others can write to it (mode 0770); remove it"),
     (fake_stat(stat.S_IFDIR | 0o1777), "group or others can write to it (mode 1777); remove it"),
     (fake_stat(stat.S_IFDIR | 0o702), "group or others can write to it (mode 0702); remove it"),
+    # Reading a store lists its entries' content hashes: any access of others is refused.
+    (fake_stat(stat.S_IFDIR | 0o755), "group or others can read it (mode 0755); `chmod go= /x`"),
+    (fake_stat(stat.S_IFDIR | 0o750), "group or others can read it (mode 0750)"),
+    (fake_stat(stat.S_IFDIR | 0o701), "group or others can read it (mode 0701)"),
+    (fake_stat(stat.S_IFDIR | 0o710), "group or others can read it (mode 0710)"),
 ])
 def test_an_untrusted_directory_is_named_with_the_fix(st: os.stat_result, why: str) -> None:
     problem = private.dir_problem("/x", st)
     assert problem is not None and problem.startswith(why)
 
 
-@pytest.mark.parametrize("mode", [0o700, 0o755, 0o750, 0o500])
-def test_a_directory_of_ones_own_that_only_one_can_write_is_trusted(mode: int) -> None:
+@pytest.mark.parametrize("mode", [0o700, 0o500, 0o300])
+def test_a_directory_of_ones_own_that_nobody_else_can_reach_is_trusted(mode: int) -> None:
     assert private.dir_problem("/x", fake_stat(stat.S_IFDIR | mode)) is None
 
 
@@ -53,7 +58,7 @@ def test_make_dir_creates_0700_and_refuses_in_one_line(tmp_path: Path) -> None:
         private.make_dir(made, "the thing", "use another", CacheError)
     assert str(err.value) == (
         f"refusing the thing `{made}`: group or others can write to it (mode 0777); remove it "
-        f"(epdctl creates it with mode 0700), or `chmod go-w {made}` if you trust what is in "
+        f"(epdctl creates it with mode 0700), or `chmod go= {made}` if you trust what is in "
         "it, or use another")
     link = tmp_path / "link"
     link.symlink_to(made)

@@ -191,7 +191,9 @@ def _env(arm: Arm, state: RunState) -> dict[str, str]:
 def _run_bench(args: Sequence[str], log_path: Path, env: Mapping[str, str],
                tick: Callable[[], None]) -> int:
     """Run it in a session of its own (Ctrl+C is ours to handle); stop it on any exit."""
-    with log_path.open("wb") as log:
+    # Never through a link planted at its name (O_NOFOLLOW): ELOOP instead.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=dict(env),
                                 start_new_session=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 import time
 from pathlib import Path
 
@@ -109,9 +110,16 @@ def _take(path: str, tmp: str, size: int) -> tuple[int, os.stat_result] | None:
         os.rename(path, tmp)  # atomic: of two writers, one gets it
     except FileNotFoundError:
         return None
-    fd = os.open(tmp, os.O_RDWR)  # read too: the writer maps it
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW)  # read too: the writer maps it
+    except OSError:  # a link (never followed) or gone
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return None
     st = os.fstat(fd)
-    if st.st_nlink == 1 and st.st_size >= size:
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size >= size:
         if st.st_mode & 0o077:
             os.fchmod(fd, 0o600)  # an older epdctl's entry (0644): the new one is private
         return fd, st

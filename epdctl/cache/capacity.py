@@ -21,9 +21,14 @@ def check_capacity(store_dir: str | os.PathLike[str], capacity_bytes: int) -> No
     hold the budget (it is created 0700 when missing)."""
     root = make_store_dir(store_dir)
     try:
-        probe = root / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
-        probe.write_bytes(b"x")
-        probe.unlink()
+        probe = root / f".probe.{os.getpid()}.{secrets.token_hex(8)}"
+        # O_EXCL: a link planted at its name fails the probe instead of being followed.
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            probe.unlink()
     except OSError as exc:
         raise CacheError(f"the EC store `{root}` is not writable: {exc.strerror}") from None
     problem = capacity_problem(root, capacity_bytes)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,8 @@ PIN_TTL_S = 600.0
 TMP_TTL_S = 600.0
 # A pending mark holds its deadline as mtime; past it by this long its proxy is long done.
 PENDING_TTL_S = 60.0
+# What plan.compute_namespace appends to a topology's name.
+_NAMESPACE_TAIL = re.compile(r"[0-9a-f]{12}")
 
 
 @dataclass(frozen=True)
@@ -90,23 +93,33 @@ def enforce(
     )
 
 
-def keep_topology_store(ns_dir: Path, topology: str, *, capacity_bytes: int, ttl_s: float,
+def keep_topology_store(ns_dir: Path, topology: str, *, earlier: Collection[str] = (),
+                        capacity_bytes: int, ttl_s: float,
                         grace_s: float) -> list[EvictionReport]:
     """The supervisor's pass for one running topology whose namespace is `ns_dir`.
 
-    Its budget and TTL hold on its own namespace alone; namespaces an earlier run of the same
-    topology used (another model, dtype or vLLM version: they can never be hit again) are
-    emptied and removed; other topologies' namespaces are theirs and left alone.
+    Its budget and TTL hold on its own namespace alone. A namespace an earlier run of this
+    topology used (another model, dtype or vLLM version: it can never be hit again) is
+    emptied and removed only if it is provably that: named `<topology>-<12 hex>` exactly
+    and in `earlier`, the namespaces this topology's own runs recorded (store_root.py). A
+    shared prefix proves nothing (`cpu-demo-example-connector-…` is not `cpu-demo`'s), so
+    every other namespace is left alone.
     """
     reports = [enforce(ns_dir, capacity_bytes=capacity_bytes, ttl_s=ttl_s, grace_s=grace_s)]
     root = ns_dir.parent
     stale = {d.name for d in namespace_dirs(root)
-             if d.name.startswith(f"{topology}-") and d.name != ns_dir.name}
+             if d.name != ns_dir.name and d.name in earlier and is_namespace_of(d.name, topology)}
     if stale:
         keep = {d.name for d in namespace_dirs(root)} - stale
         reports.append(enforce(root, capacity_bytes=None, ttl_s=float("inf"), grace_s=grace_s,
                                keep_namespaces=keep))
     return reports
+
+
+def is_namespace_of(name: str, topology: str) -> bool:
+    """Whether `name` has the form of a namespace of `topology`: `<topology>-<12 hex>`."""
+    prefix = f"{topology}-"
+    return name.startswith(prefix) and _NAMESPACE_TAIL.fullmatch(name[len(prefix):]) is not None
 
 
 def clean(

@@ -17,7 +17,7 @@ from typing import Any
 
 from epdctl import private
 from epdctl.cache._format import ENTRY_SUFFIX, key_filename
-from epdctl.cache.store import Store
+from epdctl.cache.store import TMP_TOKEN, Store
 
 META_SUFFIX = ".meta.json"
 
@@ -50,9 +50,9 @@ def write_meta(store: Store, key: str, entry: dict[str, Any],
         doc["modality"] = modality
     body = json.dumps(doc, separators=(",", ":")).encode()
     # `<name>.meta.<pid>.<n>`: the janitor reads the writer's pid from a tmp file's name.
-    tmp = f"{store.tmp}/{key_filename(key)}.meta.{os.getpid()}.{next(_tmp_ids)}"
+    tmp = f"{store.tmp}/{key_filename(key)}.meta.{os.getpid()}.{TMP_TOKEN}{next(_tmp_ids)}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
                      private.FILE_MODE)
         try:
             os.write(fd, body)

@@ -69,17 +69,15 @@ class StatsWriter:
             return {"counts": dict(self.counts), "key_hits": dict(self.key_hits)}
 
     def flush(self) -> None:
-        """Write the counters now (tmp + rename); errors are ignored, stats are best effort."""
+        """Write the counters now (an unguessable tmp, then rename) into a stats dir that is
+        the user's alone; errors are ignored, stats are best effort."""
         self._dirty.clear()
         body = json.dumps({**self.snapshot(), "updated": time.time()}).encode()
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             # Not parents=True: a namespace removed by `down` or `clean` stays removed.
             self.path.parent.mkdir(mode=private.DIR_MODE, exist_ok=True)
-            fd = private.open_file(tmp, os.O_WRONLY | os.O_TRUNC)
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-            os.replace(tmp, self.path)
+            if private.dir_problem(self.path.parent) is None:
+                private.write_file(self.path, body)  # never through a planted link
         except OSError:
             pass
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ Fill = Callable[[memoryview], None]
 Drain = Callable[[memoryview], None]
 
 _tmp_ids = itertools.count()
+# In every tmp name: a name of ours cannot be guessed (and is created O_EXCL anyway).
+TMP_TOKEN = secrets.token_hex(6)
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,13 @@ class Store:
             return False
         path = self.pending_path(key)
         try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, private.FILE_MODE))
-            os.utime(path, (until, until))
+            # Never through a link planted at its name (ELOOP): the mark is ours or none.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         private.FILE_MODE)
+            try:
+                os.utime(fd, (until, until))
+            finally:
+                os.close(fd)
         except OSError:
             return False
         return True
@@ -176,7 +184,7 @@ class Store:
         nbytes = payload_nbytes(dtype, shape)
         fill = data if callable(data) else _fill_from(data, nbytes)
         name = key_filename(key)
-        tmp = f"{self.tmp}/{name}.{os.getpid()}.{next(_tmp_ids)}"
+        tmp = f"{self.tmp}/{name}.{os.getpid()}.{TMP_TOKEN}{next(_tmp_ids)}"
         total = len(header) + nbytes
         claimed = _recycle.claim(self.free, tmp, total, self._spare)
         if claimed is None:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from epdctl.cache import CONNECTOR_NAME
+from epdctl.cache import CONNECTOR_NAME, default_store_root
 from epdctl.cache.capacity import DiskUsage, capacity_problem
 from epdctl.doctor._check import Check
 from epdctl.ec_connectors import EXAMPLE
@@ -150,6 +150,9 @@ def check_ec_store(topology: Topology | None, disk_usage: DiskUsage,
         unsafe = dir_problem(root)  # the rule `up` and the engines refuse a store by
         if unsafe is not None:
             why, _, fix = unsafe.partition("; ")
+            if root == Path(default_store_root()):  # store_root.resolve_root
+                return Check("ec-store", "warn", f"{root}: {why}; `up` uses a fresh private "
+                             "root of its own instead", fix)
             return Check("ec-store", "fail", f"{root}: {why}",
                          f"{fix}, or set cache.dir to a directory of your own")
     kind = fs_type(base) or "an unknown filesystem"

@@ -57,7 +57,8 @@ class StoreLookup:
         self._fresh: dict[str, tuple[dict[str, Any], str]] = {}
         # Plain counts on the hot path; scan() writes them for `cache inspect`.
         self.lookups = self.skipped = self.sent = 0
-        self._stats = StatsWriter(self.store.root, STATS_WRITER)
+        # A refused store is written nothing, not even counters (its stats/ is theirs).
+        self._stats = None if self.store.refused else StatsWriter(self.store.root, STATS_WRITER)
         self._flushed = (0, 0, 0)
         self.scan()
 
@@ -115,7 +116,7 @@ class StoreLookup:
         self._fresh.clear()
         self._stems = stems
         totals = (self.lookups, self.skipped, self.sent)
-        if totals != self._flushed:
+        if totals != self._flushed and self._stats is not None:
             self._stats.set_totals(lookups=totals[0], skipped=totals[1], sent=totals[2])
             self._stats.flush()  # best effort, like every stats writer
             self._flushed = totals

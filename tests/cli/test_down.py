@@ -40,7 +40,7 @@ def test_down_stops_everything_and_keeps_logs(epdctl, fake_topology, state_root)
     )
     assert not any(is_running(p) for p in [*pids.values(), grandchild])
     assert sorted(p.name for p in (state_root / "fake").iterdir()) == [
-        "last-run.json", "lock", "logs"]
+        "last-run.json", "lock", "logs", "namespaces.json"]
 
 
 def test_down_twice_is_not_running(epdctl, fake_topology, state_root) -> None:

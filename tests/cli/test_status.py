@@ -73,7 +73,7 @@ def test_status_shows_the_proxys_store_hit_ratio(epdctl, fake_topology, state_ro
     assert epdctl("up", str(fake_topology()), "-d", "--timeout", "20").exit_code == 0
     doc = json.loads(epdctl("status", "--json").stdout)
     assert doc["cache"]["lookups"] == 0 and doc["cache"]["hit_ratio"] is None
-    (Path(_store_dir(state_root)) / "stats").mkdir(parents=True)  # E creates the namespace
+    (Path(_store_dir(state_root)) / "stats").mkdir(mode=0o700)  # up made the namespace
     stats = StatsWriter(_store_dir(state_root), STATS_WRITER)
     stats.add(lookups=4, skipped=3, sent=1)
     stats.close()

@@ -20,13 +20,14 @@ def test_up_refuses_a_world_writable_store(epdctl, fake_topology, state_root,
     topo = fake_topology()
     ns_dir = prepare(topo, state_root, is_dry_run=True).plan.store_dir
     bad = ns_dir.parent if which == "root" else ns_dir
-    bad.mkdir(parents=True)
+    ns_dir.parent.mkdir(mode=0o700)
+    bad.mkdir(mode=0o700, exist_ok=True)
     os.chmod(bad, 0o777)
     result = epdctl("up", str(topo), "-d", "--timeout", "20")
     assert result.exit_code == 1
     assert result.stderr == (
         f"Error: refusing the EC store `{bad}`: group or others can write to it (mode 0777); "
-        f"remove it (epdctl creates it with mode 0700), or `chmod go-w {bad}` if you trust "
+        f"remove it (epdctl creates it with mode 0700), or `chmod go= {bad}` if you trust "
         "what is in it, or set cache.dir to a directory of your own\n")
     assert not (state_root / "fake" / "state.json").exists()
     assert not (state_root / "fake" / "logs").exists()  # nothing was started

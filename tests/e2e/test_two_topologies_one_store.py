@@ -1,0 +1,141 @@
+"""topologies/cpu-demo.yaml and cpu-demo-example-connector.yaml at once, in one store root,
+for real: through a minute of cpu-demo's janitor passes each answers image requests as
+before and keeps its entries (no namespace of one is another's), and `down` of one leaves
+the other's store intact."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from epdctl.cache.store import Store
+from epdctl.store_root import record_namespace
+from tests.e2e.topology_run import (
+    TopologyRun,
+    cli_env,
+    release_new_semaphores,
+    wait_for,
+)
+from tests.vllm_harness import chat, copy_topology, image_data_url, make_image
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
+MODEL = "tiny-llava"
+READY_TIMEOUT_S = 600
+JANITOR_PASSES = 12  # one every supervisor.JANITOR_INTERVAL_S (5 s): a minute of them
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[tuple[TopologyRun, TopologyRun]]:
+    """Both demos up under one state root, sharing one private store root."""
+    tmp = tmp_path_factory.mktemp("two-topologies")
+    root = Path(tempfile.mkdtemp(prefix="epdctl-test-", dir="/dev/shm"))
+    state_root = tmp / "state"
+    runs = []
+    for src in ("cpu-demo", "cpu-demo-example-connector"):
+        path = copy_topology(src, tmp, model=tiny_llava, cache_dir=root)
+        runs.append(TopologyRun(path, state_root, root, cli_env()))
+    ours, example = runs
+    assert yaml.safe_load(example.path.read_text())["cache"]["connector"] == "ECExampleConnector"
+    try:
+        with release_new_semaphores():
+            for run in runs:
+                up = run.cli("up", str(run.path), "-d", "--timeout", str(READY_TIMEOUT_S),
+                             timeout_s=READY_TIMEOUT_S + 60)
+                assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
+            yield ours, example
+            for run in runs:
+                if run.is_up():
+                    run.cli("down", "--name", run.name, timeout_s=90)
+    finally:
+        from epdctl.launcher import scan_marked, stop_all
+
+        for run in runs:
+            if leftovers := scan_marked(run.run_dir):
+                stop_all(leftovers, 5.0)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _entry_paths(ours: TopologyRun, example: TopologyRun, key: str) -> tuple[Path, Path]:
+    from epdctl.cache.example_files import item_file
+    from epdctl.cache.store import Store
+
+    state = ours.state()
+    mine = Path(Store(Path(state.store_dir).parent, state.namespace).entry_path(key))
+    return mine, item_file(Path(example.state().store_dir), key)
+
+
+def _janitor_pass(ours: TopologyRun) -> bool:
+    """Observe one pass of cpu-demo's janitor: it removes an orphaned tmp file (its writer's
+    pid is dead) planted in its namespace."""
+    orphan = Path(ours.state().store_dir) / "tmp" / f"probe.999999999.{time.monotonic_ns()}"
+    fd = os.open(orphan, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    return bool(wait_for(lambda: not orphan.exists(), timeout_s=60))
+
+
+def test_both_answer_and_keep_their_entries_through_a_minute_of_janitor_passes(
+    pair: tuple[TopologyRun, TopologyRun],
+) -> None:
+    from epdctl.proxy.media import content_key
+
+    ours, example = pair
+    assert Path(ours.state().store_dir).parent == Path(example.state().store_dir).parent
+    assert ours.state().namespace.startswith("cpu-demo-")
+    assert example.state().namespace.startswith("cpu-demo-example")
+    png = make_image(71)
+    key, url = content_key("image", png), image_data_url(png)
+    first = [chat(run.proxy_url, MODEL, image_urls=[url]) for run in pair]
+    assert first[0] and first[0] == first[1]  # one model, one image: one answer
+    mine, theirs = _entry_paths(ours, example, key)
+    assert wait_for(mine.exists) and wait_for(theirs.exists)
+    before = (mine.stat().st_ino, theirs.stat().st_ino)
+    # Beside them: a namespace of a stopped `cpu-demo-example-connector` on epdctl's store
+    # (a name cpu-demo's janitor once took for its own), and an earlier run's of cpu-demo,
+    # recorded in its state dir: the janitor's one namespace to remove.
+    bystander = _old_namespace(ours, f"cpu-demo-example-connector-{'ab' * 6}")
+    earlier = _old_namespace(ours, f"cpu-demo-{'cd' * 6}")
+    record_namespace(ours.run_dir, earlier.root.parent, earlier.namespace)
+    for _ in range(JANITOR_PASSES):
+        assert _janitor_pass(ours), "cpu-demo's janitor stopped running"
+    assert (mine.stat().st_ino, theirs.stat().st_ino) == before  # the very same entries
+    assert bystander.has_entry("k") and not earlier.root.exists()
+    shutil.rmtree(bystander.root)  # so `down` can show the root goes once empty
+    assert [chat(run.proxy_url, MODEL, image_urls=[url]) for run in pair] == first
+
+
+def _old_namespace(ours: TopologyRun, name: str) -> Store:
+    """A namespace with one entry past every grace period, in cpu-demo's store root."""
+    store = Store(Path(ours.state().store_dir).parent, name).create()
+    store.publish("k", b"\0" * 64, dtype="uint8", shape=(64,))
+    os.utime(store.entry_path("k"), (1e9, 1e9))
+    return store
+
+
+def test_down_of_one_leaves_the_others_store_intact(
+    pair: tuple[TopologyRun, TopologyRun],
+) -> None:
+    from epdctl.proxy.media import content_key
+
+    ours, example = pair
+    png = make_image(72)
+    key, url = content_key("image", png), image_data_url(png)
+    answers = [chat(run.proxy_url, MODEL, image_urls=[url]) for run in pair]
+    mine, theirs = _entry_paths(ours, example, key)
+    assert wait_for(mine.exists) and wait_for(theirs.exists)
+    ours_ns, example_ns = Path(ours.state().store_dir), Path(example.state().store_dir)
+    result = example.cli("down", "--name", example.name, timeout_s=90)
+    assert result.returncode == 0, result.stderr
+    assert not example_ns.exists() and mine.exists()
+    assert _janitor_pass(ours)
+    assert chat(ours.proxy_url, MODEL, image_urls=[url]) == answers[0]
+    result = ours.cli("down", "--name", ours.name, timeout_s=90)
+    assert result.returncode == 0, result.stderr
+    assert not ours_ns.exists() and not ours_ns.parent.exists()  # the root, once empty
