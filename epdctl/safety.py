@@ -4,37 +4,26 @@ private, and who may use the proxy. `status` and `doctor` say it in one line."""
 
 from __future__ import annotations
 
-import os
-import stat
 from typing import Any
 
 from epdctl.state import RunState
+from epdctl.store_root import store_safety
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def store_is_private(path: str) -> bool | None:
-    """True: a real directory of ours that nobody else can enter or list (mode 0700 or
-    tighter), and so is its parent (the store root); None: it does not exist."""
-    try:
-        sts = [os.lstat(path), os.lstat(os.path.dirname(path))]
-    except FileNotFoundError:
-        return None
-    return all(stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-               and not st.st_mode & 0o077 for st in sts)
 
 
 def run_safety(state: RunState) -> dict[str, Any]:
     """The facts, for `status --json`."""
     engines = state.engines
-    host = state.proxy.host
+    store = store_safety(state)
     return {
         "engines_keyed": bool(engines) and all(s.is_key_required for s in engines),
-        "store_dir": state.store_dir if any(s.role == "encode" for s in engines) else None,
-        "store_private": (store_is_private(state.store_dir)
-                          if any(s.role == "encode" for s in engines) else None),
+        "store_dir": str(store.namespace_dir) if store.is_used else None,
+        "store_private": store.is_private if store.is_used else None,
+        "store_problem": store.problem if store.is_used else None,
+        "store_is_fresh_root": store.is_fresh if store.is_used else None,
         "proxy_keyed": state.proxy_api_key is not None,
-        "proxy_host": host,
+        "proxy_host": state.proxy.host,
     }
 
 
@@ -43,10 +32,9 @@ def safety_line(facts: dict[str, Any]) -> str:
     parts = ["engines keyed" if facts["engines_keyed"] else
              "ENGINES OPEN: any local user can send them requests"]
     if facts["store_dir"] is not None:
-        private = facts["store_private"]
-        parts.append(f"store private at {facts['store_dir']}" if private else
-                     f"store at {facts['store_dir']} missing" if private is None else
-                     f"STORE NOT PRIVATE at {facts['store_dir']}")
+        fresh = " (a fresh root: the default was taken)" if facts["store_is_fresh_root"] else ""
+        parts.append(f"store private at {facts['store_dir']}{fresh}" if facts["store_private"]
+                     else f"STORE NOT PRIVATE: {facts['store_problem']}")
     where = ("local users" if facts["proxy_host"] in _LOOPBACK
              else f"anyone who reaches {facts['proxy_host']}")
     parts.append("proxy keyed" if facts["proxy_keyed"] else

@@ -142,22 +142,24 @@ def connector_problems(topology: Topology, placed: Plan,
     return [f"{c.detail}; {c.fix}" if c.fix else c.detail for c in checks if c.status == "fail"]
 
 
-def store_line(topology: Topology, placed: Plan | PlanError) -> str:
+def store_line(topology: Topology, state_dir: Path) -> str:
     """Where the run's EC store will be, and whether it is private, in a few words."""
     from epdctl.private import dir_problem
+    from epdctl.store_root import resolve_root, uses_store
 
-    if "encode" not in topology.roles:
-        return "no EC store (no encode role)"
-    where = placed.store_dir if isinstance(placed, Plan) else topology.cache.dir
+    if not uses_store(topology):
+        return "no EC store in cache.dir (no encode role, or a connector that keeps none)"
+    root = resolve_root(topology, state_dir, is_dry_run=True)  # what `up` would use
     try:
-        problem = dir_problem(topology.cache.dir)
+        problem = dir_problem(root)
     except FileNotFoundError:
-        return f"store private at {where} (up creates it, mode 0700)"
+        return f"store private under {root} (up creates it, mode 0700)"
     except OSError as exc:
-        return f"store at {where}: {exc.strerror or exc}"
+        return f"store under {root}: {exc.strerror or exc}"
     if problem is not None:
-        return f"store root {topology.cache.dir} not usable: {problem}"
-    return f"store private at {where} (mode 0700, yours)"
+        return f"store root {root} not usable: {problem}"
+    fresh = "" if root == topology.cache.dir else ", a root of its own: the default is taken"
+    return f"store private under {root} (mode 0700, yours{fresh})"
 
 
 def run_checks(topology: Topology | None, state_root: Path,
@@ -203,5 +205,5 @@ def run_checks(topology: Topology | None, state_root: Path,
         check_ports(ports_plan, probes.check_ports),
         check_model(topology, env, report.python if report else python),
         *check_combinations(topology, ports_plan),
-        check_safety(topology, topology_path, store_line(topology, placed)),
+        check_safety(topology, topology_path, store_line(topology, state_root / topology.name)),
     ]

@@ -24,7 +24,8 @@ def test_status_json_then_table_then_exited(epdctl, fake_topology, state_root, t
                          "supervisor", "ready", "error", "instances", "cache", "safety"]
     # Every run keys its engines, and the store is epdctl's alone; this proxy has no key.
     assert doc["safety"] == {"engines_keyed": True, "store_dir": _store_dir(state_root),
-                             "store_private": True, "proxy_keyed": False,
+                             "store_private": True, "store_problem": None,
+                             "store_is_fresh_root": False, "proxy_keyed": False,
                              "proxy_host": "127.0.0.1"}
     assert (doc["name"], doc["phase"], doc["mode"], doc["ready"]) == ("fake", "running", "e-pd",
                                                                       True)
