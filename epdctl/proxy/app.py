@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 from starlette.responses import Response
 
+from epdctl.proxy import jsonio
 from epdctl.proxy.client import wrap
 from epdctl.proxy.config import MODE_LABEL, ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY
@@ -42,7 +42,7 @@ class ProxyApp:
         proxy = self._proxy
         is_ok, report = proxy.upstreams.report()
         body = {**report, "mode": MODE_LABEL[proxy.config.mode], "inflight": proxy.inflight}
-        return Response(json.dumps(body), 200 if is_ok else 503, media_type=JSON_TYPE)
+        return Response(jsonio.dumps(body), 200 if is_ok else 503, media_type=JSON_TYPE)
 
     def _metrics(self, scope: dict[str, Any]) -> Response:
         proxy = self._proxy

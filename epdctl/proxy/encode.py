@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from epdctl.proxy import jsonio
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
@@ -221,7 +221,7 @@ class Encoder:
 def _parse(data: bytes, uuid: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """E's key for the item, its metadata and its whole ec_transfer_params entry."""
     try:
-        params = json.loads(data).get("ec_transfer_params")
+        params = jsonio.loads(data).get("ec_transfer_params")
     except (ValueError, AttributeError):
         params = None
     if not isinstance(params, dict) or not params:

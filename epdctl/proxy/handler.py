@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
-from epdctl.proxy import responses
+from epdctl.proxy import jsonio, responses
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoder, Looked
@@ -239,14 +238,14 @@ class ProxyHandler:
         if route not in CONTENT_FIELDS:
             return raw
         try:
-            body = json.loads(raw)
+            body = jsonio.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return raw
         if not isinstance(body, dict):
             return raw
         scoped, _ = scope_client_uuids(body, self.config.client_uuids,
                                        field=CONTENT_FIELDS[route])
-        return raw if scoped is body else json.dumps(scoped).encode()
+        return raw if scoped is body else jsonio.dumps(scoped)
 
     def _media(self, route: str, body: dict[str, Any]) -> list[MediaItem]:
         if self.encoder is None:

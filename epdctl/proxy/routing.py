@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from epdctl.proxy import jsonio
 from epdctl.proxy.errors import ProxyError, bad_request
 
 CHAT = "/v1/chat/completions"
@@ -81,7 +81,7 @@ def parse_body(raw: bytes, route: str, models: tuple[str, ...]) -> dict[str, Any
     the client gets vLLM's own refusal (or, if vLLM takes it, vLLM's answer).
     """
     try:
-        body = json.loads(raw)
+        body = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -290,4 +290,4 @@ def decode_body(body: dict[str, Any], kv_params: object) -> dict[str, Any]:
 
 
 def dumps(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    return jsonio.dumps(body)
