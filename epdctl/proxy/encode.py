@@ -81,11 +81,11 @@ class Encoder:
         Without a consumer a failed item is a fallback (PD encodes it); with one it is not:
         a Mooncake consumer cannot encode, so the caller decides what a failure means.
         """
-        return await self.fan_out(body, self.look(body, items, trace, consumer_zmq), trace,
-                                  consumer_zmq)
+        return await self.fan_out(body, await self.look(body, items, trace, consumer_zmq),
+                                  trace, consumer_zmq)
 
-    def look(self, body: dict[str, Any], items: list[MediaItem], trace: Trace,
-             consumer_zmq: str | None = None) -> Looked:
+    async def look(self, body: dict[str, Any], items: list[MediaItem], trace: Trace,
+                   consumer_zmq: str | None = None) -> Looked:
         """The distinct items, and which of them the store already holds (no E for those)."""
         unique: dict[str, MediaItem] = {}
         for item in items:
@@ -97,7 +97,8 @@ class Encoder:
         if unique and is_keyed and self.lookup is not None and self.config.should_look_up:
             looked.lookups = len(unique)
             out = looked.hits
-            for uuid, hit in self.lookup.find(unique, self.config.metadata_rewrite).items():
+            found = await self.lookup.find_off_loop(unique, self.config.metadata_rewrite)
+            for uuid, hit in found.items():
                 out.reported[uuid] = (hit.key, hit.metadata)
                 if hit.params:
                     out.params[hit.key] = hit.params

@@ -260,7 +260,7 @@ class ProxyHandler:
         assert self.encoder is not None
         if route == RESPONSES:
             view, moved = responses.encoder_view(body, items)
-            looked = self.encoder.look(view, moved, trace)
+            looked = await self.encoder.look(view, moved, trace)
             if self._overlaps(looked, moved, has_rewrite=False):
                 self._overlap(view, looked, trace)
                 encoded = looked.hits
@@ -268,7 +268,7 @@ class ProxyHandler:
                 encoded = await self.encoder.fan_out(view, looked, trace)
             keyed = responses.pd_body(body, items, encoded.params)
             return keyed, keyed, False
-        looked = self.encoder.look(body, items, trace)
+        looked = await self.encoder.look(body, items, trace)
         if self._overlaps(looked, items, has_rewrite=self.config.metadata_rewrite):
             self._overlap(body, looked, trace)
             first = pd_body(body, items, looked.hits.reported, looked.hits.params, False)[0]

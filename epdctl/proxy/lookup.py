@@ -12,11 +12,17 @@ missed lookup by open(2) added ~5 % of the proxy's CPU per image request), so a 
 checked on disk only when an index says its entry may be there: the names the last scan of
 `entries/` saw (every SCAN_INTERVAL_S) and the keys E answered for since. An entry another
 writer made since the last scan is found by the next one; until then its item goes to E.
+
+Neither the scan nor a hit's checks run on the event loop: a listing of thousands of entries
+and a hit's header read, sidecar read and `utime` run in a worker thread (asyncio.to_thread),
+the loop only tests names against the index. Scans run one at a time (a lock, which close()
+waits on too).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,15 +59,29 @@ class StoreLookup:
         self.silent: set[str] = set()
         """Modalities E has answered for without metadata (nothing to rewrite them to)."""
         self._stems: set[str] = set()  # entries the last scan saw, and E's keys since
+        self._added: set[str] = set()  # E's keys since the running scan began
         self._fresh: dict[str, dict[str, Any]] = {}  # E's entries not yet kept beside theirs
+        self._writing: dict[str, dict[str, Any]] = {}  # ...being kept by the running scan
+        self._scan_lock = threading.Lock()
         # Plain counts on the hot path; scan() writes them for `cache inspect`.
         self.lookups = self.skipped = self.sent = 0
         self._stats = StatsWriter(self.store.root, STATS_WRITER)
         self._flushed = (0, 0, 0)
         self.scan()
 
+    async def find_off_loop(self, unique: dict[str, MediaItem],
+                            needs_metadata: bool) -> dict[str, Hit]:
+        """find(), its file-system calls in a worker thread; the loop only tests the index
+        (no thread at all when no item is in it: a miss costs a set lookup)."""
+        candidates = {uuid: item for uuid, item in unique.items()
+                      if Store.stem(uuid) in self._stems}
+        if not candidates:
+            return {}
+        return await asyncio.to_thread(self.find, candidates, needs_metadata)
+
     def find(self, unique: dict[str, MediaItem], needs_metadata: bool) -> dict[str, Hit]:
-        """The items (by uuid) whose entry is complete and valid now.
+        """The items (by uuid) whose entry is complete and valid now (blocking: file-system
+        calls per indexed item; the proxy calls it through find_off_loop).
 
         With `needs_metadata` (the rewrite is on) an entry without kept metadata is no hit
         for a modality E reports metadata for: E's answer will keep it, and later requests
@@ -75,7 +95,8 @@ class StoreLookup:
             if isinstance(self.store.check(uuid), Miss):
                 self._stems.discard(stem)
                 continue
-            entry = self._fresh.get(uuid) or read_meta(self.store, uuid)
+            entry = self._fresh.get(uuid) or self._writing.get(uuid) \
+                or read_meta(self.store, uuid)
             if entry is None and needs_metadata and item.modality in self.reporting:
                 continue
             # Used now: the janitor's LRU and grace period count from here, so the entry
@@ -94,6 +115,7 @@ class StoreLookup:
         if key != item.uuid:
             return
         self._stems.add(Store.stem(key))
+        self._added.add(Store.stem(key))
         if has_metadata:
             self._fresh[key] = entry
 
@@ -104,24 +126,43 @@ class StoreLookup:
 
     def scan(self) -> None:
         """Rebuild the index from `entries/`, keep E's fresh metadata beside the entries it
-        describes (atomically), and flush the counters if they changed."""
-        stems = self.store.entry_stems()
-        for key, entry in self._fresh.items():
-            if Store.stem(key) in stems:
-                write_meta(self.store, key, entry)
-        self._fresh.clear()
-        self._stems = stems
-        totals = (self.lookups, self.skipped, self.sent)
-        if totals != self._flushed:
-            self._stats.set_totals(lookups=totals[0], skipped=totals[1], sent=totals[2])
-            self._stats.flush()  # best effort, like every stats writer
-            self._flushed = totals
+        describes (atomically), and flush the counters if they changed; all here and now
+        (at start and close; run_scans does the file work in a thread)."""
+        self._apply(self._scan_files(*self._take()))
 
     async def run_scans(self) -> None:
-        """scan() every SCAN_INTERVAL_S; a task beside the server, cancelled with it."""
+        """A scan every SCAN_INTERVAL_S, its file work in a worker thread; a task beside the
+        server, cancelled with it."""
         while True:
             await asyncio.sleep(SCAN_INTERVAL_S)
-            self.scan()
+            job = self._take()
+            self._apply(await asyncio.to_thread(self._scan_files, *job))
+
+    def _take(self) -> tuple[dict[str, dict[str, Any]], tuple[int, int, int]]:
+        """On the loop: what a scan writes (E's fresh metadata, the counters), taken."""
+        self._writing, self._fresh = self._fresh, {}
+        self._added = set()
+        return self._writing, (self.lookups, self.skipped, self.sent)
+
+    def _scan_files(self, fresh: dict[str, dict[str, Any]],
+                    totals: tuple[int, int, int]) -> set[str]:
+        """The blocking part of a scan (any thread): list, write metadata, flush counters."""
+        with self._scan_lock:
+            stems = self.store.entry_stems()
+            for key, entry in fresh.items():
+                if Store.stem(key) in stems:
+                    write_meta(self.store, key, entry)
+            if totals != self._flushed:
+                self._stats.set_totals(lookups=totals[0], skipped=totals[1], sent=totals[2])
+                self._stats.flush()  # best effort, like every stats writer
+                self._flushed = totals
+            return stems
+
+    def _apply(self, stems: set[str]) -> None:
+        """On the loop: the new index, with the keys E answered for while it was made."""
+        self._stems = stems | self._added
+        self._added = set()
+        self._writing = {}
 
     def close(self) -> None:
         self.scan()
