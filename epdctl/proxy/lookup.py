@@ -139,8 +139,9 @@ class StoreLookup:
             self._apply(await asyncio.to_thread(self._scan_files, *job))
 
     def _take(self) -> tuple[dict[str, dict[str, Any]], tuple[int, int, int]]:
-        """On the loop: what a scan writes (E's fresh metadata, the counters), taken."""
-        self._writing, self._fresh = self._fresh, {}
+        """On the loop: what a scan writes (E's fresh metadata, the counters), taken; with
+        what a scan that never finished (cancelled at shutdown) had taken."""
+        self._writing, self._fresh = {**self._writing, **self._fresh}, {}
         self._added = set()
         return self._writing, (self.lookups, self.skipped, self.sent)
 

@@ -45,8 +45,8 @@ async def test_vllms_stream_passes_byte_for_byte(rig_factory, has_image):
 
 async def test_a_text_body_reaches_pd_as_the_client_sent_it(rig_factory):
     rig = rig_factory(**E_PD)
-    raw = ('{"model": "%s",  "messages":[{"role":"user","content":"caf\\u00e9 \u20ac"}],'
-           ' "temperature": 1e-05, "max_tokens" : 8}' % MODEL).encode()
+    raw = (f'{{"model": "{MODEL}",  "messages":[{{"role":"user","content":"caf\\u00e9 \u20ac"}}],'
+           ' "temperature": 1e-05, "max_tokens" : 8}').encode()
     r = await rig.client.post("/v1/chat/completions", content=raw)
     assert r.status_code == 200
     (pd,) = rig.fakes.posts("pd")
@@ -98,3 +98,30 @@ def test_the_codec_round_trips_what_the_stdlib_reads():
     assert jsonio.loads(jsonio.dumps(doc)) == doc == json.loads(jsonio.dumps(doc))
     with pytest.raises(ValueError):
         jsonio.loads(b"{not json")
+
+
+def test_a_keyed_media_part_is_serialized_once_for_e_and_pd(monkeypatch):
+    """E's body and PD's (and P's, D's) carry the same keyed part: written once, spliced."""
+    import orjson
+
+    from epdctl.proxy.routing import encoder_body, find_media, prefill_body, with_keys
+
+    made: list[bytes] = []
+    real = orjson.Fragment
+
+    def counting(data: bytes) -> orjson.Fragment:
+        made.append(data)
+        return real(data)
+
+    monkeypatch.setattr(orjson, "Fragment", counting)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [
+        image_part(), {"type": "text", "text": "was ist das? 😀"}]}]}
+    (item,) = find_media(body)
+    item.uuid = "k" * 64
+    e_raw = jsonio.dumps(encoder_body(body, item))
+    pd = with_keys(body, [item])
+    pd_raw, p_raw = jsonio.dumps(pd), jsonio.dumps(prefill_body(pd, "/v1/chat/completions"))
+    assert len(made) == 1 and made[0] in e_raw and made[0] in pd_raw and made[0] in p_raw
+    assert json.loads(pd_raw) == {**body, "messages": [{"role": "user", "content": [
+        {**image_part(), "uuid": item.uuid}, {"type": "text", "text": "was ist das? 😀"}]}]}
+    assert json.loads(e_raw)["messages"][0]["content"] == [{**image_part(), "uuid": item.uuid}]
