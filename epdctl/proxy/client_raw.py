@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
@@ -180,7 +181,7 @@ class _Pool:
         self.port = url.port or (443 if url.scheme == "https" else 80)
         self.host_header = f"host: {url.netloc}\r\n".encode("latin-1")
         self.keepalive_s = keepalive_s
-        self.idle: list[_Conn] = []
+        self.idle: deque[_Conn] = deque()  # the most recently used last
 
     def idle_conn(self) -> _Conn | None:
         """The most recently used live connection, dropping any past keep-alive."""
@@ -199,8 +200,11 @@ class _Pool:
         return conn
 
     def release(self, conn: _Conn) -> None:
-        conn.idle_since = time.monotonic()
-        self.idle.append(conn)
+        now = conn.idle_since = time.monotonic()
+        idle = self.idle
+        while idle and (idle[0].is_closed or now - idle[0].idle_since >= self.keepalive_s):
+            idle.popleft().abort()  # the oldest, unused past keep-alive (or closed by now)
+        idle.append(conn)
 
     def close(self) -> None:
         for conn in self.idle:

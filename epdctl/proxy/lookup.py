@@ -114,8 +114,9 @@ class StoreLookup:
         # A key other than the uuid (mm kwargs, LoRA prefix) can never be looked up by uuid.
         if key != item.uuid:
             return
-        self._stems.add(Store.stem(key))
-        self._added.add(Store.stem(key))
+        stem = Store.stem(key)
+        self._stems.add(stem)
+        self._added.add(stem)
         if has_metadata:
             self._fresh[key] = entry
 
