@@ -92,6 +92,7 @@ class RawReply:
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self._chunks: list[bytes] = []
         self._is_complete = self._keep_alive = self._has_begun = False
+        self._is_until_close = True  # no length, not chunked: the body ends with the connection
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -105,8 +106,11 @@ class RawReply:
         self.status = status
         self._has_begun = True
         for name, value in self.raw_headers:
-            if name.lower() == b"content-type":
+            name = name.lower()
+            if name == b"content-type":
                 self.content_type = value.decode("latin-1")
+            elif name in (b"content-length", b"transfer-encoding"):
+                self._is_until_close = False
         self._wake()
 
     def _data(self, body: bytes) -> None:
@@ -118,6 +122,9 @@ class RawReply:
         self._wake()
 
     def _lost(self, exc: Exception | None) -> None:
+        if exc is None and self._has_begun and self._is_until_close:
+            self._complete(False)  # HTTP/1.0-style: a clean close ends the answer
+            return
         if not self._is_complete and self._error is None:
             self._error = exc or ConnectionResetError("connection closed by the instance")
         self._wake()

@@ -121,6 +121,25 @@ async def test_a_chunked_stream_comes_through_in_order(rig):
     assert server.connections == 1  # a whole stream leaves the connection reusable
 
 
+async def test_an_answer_that_ends_with_its_connection_is_whole(rig):
+    """HTTP/1.0 style (tests/fake_server.py streams so): no length, no chunks, then close."""
+    server, upstream, base = rig
+    events = b"data: one\n\ndata: [DONE]\n\n"
+
+    def until_close(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + events)
+        writer.close()
+
+    server.script += [until_close, until_close]
+    reply = await post(upstream, base)
+    assert b"".join([chunk async for chunk in reply.chunks()]) == events
+    await reply.close()
+    reply = await post(upstream, base)
+    assert await reply.read() == events
+    await reply.close()
+    assert server.connections == 2
+
+
 async def test_a_5xx_is_never_followed_on_its_connection(rig):
     server, upstream, base = rig
     server.script.append(answer(b'{"error": "boom"}', 500))
