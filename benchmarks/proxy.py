@@ -1,24 +1,34 @@
 """Proxy overhead: fake upstreams with a fixed delay, direct calls vs calls through the proxy,
-and image requests with store lookups vs without, side by side in one run.
+image requests with store lookups (over stores of 0, 1 000 and 10 000 entries) vs without,
+and, given its source, vLLM's example EPD proxy (the peer), side by side in one run.
 
     .venv/bin/python benchmarks/proxy.py [--delay-ms 1] [--seconds 3] [--levels 1,8,32,64]
-        [--no-store]
+        [--no-store] [--peer PATH/disagg_epd_proxy.py]
 
-Starts a fake E + PD server (raw asyncio, one process, two ports) and two proxies
-(`python -m epdctl.proxy`, each its own process) before the same fakes: one over an empty EC
-store (`--store-dir/--namespace`), which looks each image up before the E stage, and one
-without a store (no lookups). Then it drives them with a closed-loop raw asyncio HTTP/1.1 load
-generator at several concurrency levels: text straight to PD (direct) and through the proxy
-without lookups (proxy), and image requests on both proxies in the order A B B A (which arm
-is A alternating from level to level; an arm's figure at a level is the mean of its two runs).
-Every image request carries an image of its own,
-so every lookup misses: the two image arms measure the cost of the skip when nothing repeats.
+Starts a fake E + PD server (raw asyncio, one process, two ports) and proxies (`python -m
+epdctl.proxy`, each its own process) before the same fakes: three over an EC store
+(`--store-dir/--namespace`) of 0, 1 000 and 10 000 entries, which look each image up before
+the E stage (and index their store in a thread every second), and one without a store (no
+lookups). Then it drives them with a closed-loop raw asyncio HTTP/1.1 load generator at
+several concurrency levels: text straight to PD (direct) and through the proxy without
+lookups (proxy), streamed text through it (proxy-stream), and image requests on every proxy
+in the order A B C D D C B A (which arm comes first rotating from level to level; an arm's
+figure at a level is the mean of its two runs). Every image request carries an image of its
+own, so every lookup misses: the image arms measure the cost of the look, and of the store's
+size, when nothing repeats.
 --no-store: the proxy without lookups alone (for proxies without them).
+--peer: vLLM's `examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py` (from a
+vLLM checkout; the wheels do not ship examples), run as shipped (`--prefill-servers-urls
+none`: E+PD) before the same fakes; its text, stream and image arms each A B B A with
+epdctl's (proxy, proxy-stream, image-lookups: the look on, as `epdctl up` runs it).
 
 Prints added latency p50/p99 (text, the first level), the best requests/s and each proxy's CPU
-per request, ending with one key=value line; with both arms, image_rps_ratio_lookups (best
-image req/s with lookups / without) and image_p50_ratio_lookups (image p50 at the first level,
-with / without).
+per request, ending with one key=value line; with the store arms, image_rps_ratio_lookups
+(best image req/s with lookups / without), image_p50_ratio_lookups (image p50 at the first
+level, with / without), max_rps_stream, and image_rps_ratio_1k / image_rps_ratio_10k (best
+image req/s with lookups over 1 000 / 10 000 entries, over none); with --peer also
+text_/stream_/image_rps_ratio_peer (epdctl's best req/s / the peer's) before the 10k ratio,
+which ends the line.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import base64
 import itertools
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -37,9 +48,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = {"model": "m", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8}
+STREAM = {**TEXT, "stream": True}
 IMAGE = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
     {"type": "text", "text": "What is this?"},
     {"type": "image_url",
@@ -48,14 +61,23 @@ IMAGE = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content":
 PD_BODY = json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
     {"index": 0, "message": {"role": "assistant", "content": "Hello there"},
      "finish_reason": "stop"}], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}).encode()
+# PD's stream as vLLM sends it: one chunk per event (role, two tokens, finish), then [DONE].
+_DELTAS = [{"role": "assistant", "content": ""}, {"content": "Hello"}, {"content": " there"}, {}]
+STREAM_EVENTS = [b"data: " + json.dumps({
+    "id": "x", "object": "chat.completion.chunk", "model": "m", "choices": [
+        {"index": 0, "delta": d, "finish_reason": "stop" if not d else None}]}).encode()
+    + b"\n\n" for d in _DELTAS] + [b"data: [DONE]\n\n"]
+IS_STREAM = re.compile(rb'"stream"\s*:\s*true')
 # E answers for the item's own key (the uuid the proxy sent it), as a real E does.
 E_HEAD, E_TAIL = json.dumps({"id": "e", "choices": [], "ec_transfer_params": {"KEY": {
     "item_indices": [0], "metadata": {"image_grid_thw": [1, 4, 4]}}}}).encode().split(b"KEY")
-UUID = b'"uuid":"'
+UUID = re.compile(rb'"uuid"\s*:\s*"')
 # The first characters of IMAGE's base64 payload, rewritten per request: a fresh image each.
 IMAGE_AT = json.dumps(IMAGE).encode().index(b"base64,") + len(b"base64,")
 STAMP_CHARS = 16
 _stamps = itertools.count()
+STORE_SIZES = {"lookups": 0, "lookups-1k": 1000, "lookups-10k": 10000}
+"""The store arms: entries in each one's store before the run (none of them ever a hit)."""
 
 
 def free_port() -> int:
@@ -69,12 +91,19 @@ def _response(body: bytes) -> bytes:
     return head.encode() + b"\r\n\r\n" + body
 
 
+def _stream_response() -> bytes:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+    chunks = b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in STREAM_EVENTS)
+    return head + b"\r\n\r\n" + chunks + b"0\r\n\r\n"
+
+
 class _FakeServer(asyncio.Protocol):
     """Keep-alive HTTP/1.1: answers every request after the delay with a canned body (E:
-    keyed by the request's uuid)."""
+    keyed by the request's uuid; PD: a chunked SSE stream when the request asks for one)."""
 
     def __init__(self, answer: bytes | None, delay_s: float) -> None:
         self.answer = answer
+        self.stream = _stream_response()
         self.health = _response(b"{}")
         self.delay_s = delay_s
         self.buf = b""
@@ -98,8 +127,10 @@ class _FakeServer(asyncio.Protocol):
             self.buf = self.buf[end + 4 + length:]
             answer = self.health if head.startswith(b"get /health") else self.answer
             if answer is None:
-                at = body.find(UUID) + len(UUID)
+                at = UUID.search(body).end()  # type: ignore[union-attr]
                 answer = _response(E_HEAD + body[at:body.index(b'"', at)] + E_TAIL)
+            elif answer is not self.health and IS_STREAM.search(body):
+                answer = self.stream
             if self.delay_s:
                 asyncio.get_running_loop().call_later(self.delay_s, self._write, answer)
             else:
@@ -136,6 +167,21 @@ def _stamped(request: bytes, at: int | None) -> bytes:
     return request[:at] + stamp + request[at + STAMP_CHARS:]
 
 
+async def _read_answer(reader: asyncio.StreamReader) -> bytes:
+    """One whole response (content-length or chunked); its head."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lower = head.lower()
+    at = lower.find(b"content-length:")
+    if at >= 0:
+        await reader.readexactly(int(lower[at + 15:lower.find(b"\r\n", at)]))
+        return head
+    while True:  # chunked: size line, data, CRLF; a 0 size and a CRLF end it
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        await reader.readexactly(size + 2)
+        if size == 0:
+            return head
+
+
 async def _worker(port: int, request: bytes, deadline: float, lat: list[float],
                   stamp_at: int | None = None) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -143,10 +189,7 @@ async def _worker(port: int, request: bytes, deadline: float, lat: list[float],
         while time.perf_counter() < deadline:
             t0 = time.perf_counter()
             writer.write(_stamped(request, stamp_at))
-            head = await reader.readuntil(b"\r\n\r\n")
-            lower = head.lower()
-            at = lower.find(b"content-length:")
-            await reader.readexactly(int(lower[at + 15:lower.find(b"\r\n", at)]))
+            head = await _read_answer(reader)
             if not head.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(head.decode(errors="replace"))
             lat.append(time.perf_counter() - t0)
@@ -162,7 +205,8 @@ async def _load(port: int, body: dict, concurrency: int, seconds: float) -> dict
     request = head + data
     stamp_at = len(head) + IMAGE_AT if body is IMAGE else None
     warm: list[float] = []
-    await asyncio.gather(*(_worker(port, request, time.perf_counter() + 0.5, warm, stamp_at)
+    warm_s = min(0.5, seconds)  # the tests' short runs warm up as long as they run
+    await asyncio.gather(*(_worker(port, request, time.perf_counter() + warm_s, warm, stamp_at)
                            for _ in range(concurrency)))
     lat: list[float] = []
     start = time.perf_counter()
@@ -200,22 +244,62 @@ def _start_proxy(port: int, e_port: int, pd_port: int, client: str,
         cwd=ROOT, stderr=subprocess.DEVNULL)
 
 
+def _start_peer(path: str, port: int, e_port: int, pd_port: int) -> subprocess.Popen:
+    """vLLM's example proxy as shipped, E+PD (its own log lines are part of its cost)."""
+    return subprocess.Popen(
+        [sys.executable, path, "--host", "127.0.0.1", "--port", str(port),
+         "--encode-servers-urls", f"http://127.0.0.1:{e_port}",
+         "--prefill-servers-urls", "none",
+         "--decode-servers-urls", f"http://127.0.0.1:{pd_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _fill_store(store_dir: str, namespace: str, entries: int) -> list[str]:
+    """A namespace holding `entries` small entries under fresh content-like keys (64 hex
+    digits, as the proxy's own keys): the proxy's --store-dir/--namespace flags."""
+    from epdctl.cache.store import Store
+
+    store = Store(store_dir, namespace).create()
+    for n in range(entries):
+        store.publish(f"{n:064x}", bytes(16), dtype="float32", shape=(4,))
+    return ["--store-dir", store_dir, "--namespace", namespace]
+
+
+Arm = tuple[str, int, dict[str, Any], "subprocess.Popen | None"]
+
+
+def _alternated(arms: list[Arm], level_index: int) -> list[Arm]:
+    """A B .. Z Z .. B A, the first arm rotating from level to level: what comes first or
+    last at a level (a warmer proxy, a busier machine) weighs on every arm alike; each arm's
+    figure at the level is the mean of its two runs."""
+    shift = level_index % len(arms)
+    order = arms[shift:] + arms[:shift]
+    return order + order[::-1]
+
+
 def _arms(level_index: int, proxies: dict[str, tuple[int, subprocess.Popen]],
-          pd_port: int) -> list[tuple[str, int, dict, subprocess.Popen | None]]:
+          pd_port: int) -> list[Arm]:
     """One level's rows in order: (name, port, body, the proxy whose CPU is counted)."""
     port, plain = proxies["plain"]
-    rows: list[tuple[str, int, dict, subprocess.Popen | None]] = [
-        ("direct", pd_port, TEXT, None), ("proxy", port, TEXT, plain)]
+    rows: list[Arm] = [("direct", pd_port, TEXT, None)]
+    if "peer" in proxies:
+        peer_port, peer = proxies["peer"]
+        rows += _alternated([("proxy", port, TEXT, plain), ("peer", peer_port, TEXT, peer)],
+                            level_index)
+        rows += _alternated([("proxy-stream", port, STREAM, plain),
+                             ("peer-stream", peer_port, STREAM, peer)], level_index)
+    else:
+        rows += [("proxy", port, TEXT, plain), ("proxy-stream", port, STREAM, plain)]
+    images: list[Arm]
     if "lookups" not in proxies:
-        return [*rows, ("proxy-image", port, IMAGE, plain)]
-    look_port, looking = proxies["lookups"]
-    images = [("image-lookups", look_port, IMAGE, looking),
-              ("image-no-lookups", port, IMAGE, plain)]
-    if level_index % 2:
-        images.reverse()
-    # A B B A: what comes first or last at a level (a warmer proxy, a busier machine) weighs
-    # on both arms alike; each arm's figure at the level is the mean of its two runs.
-    return rows + images + images[::-1]
+        images = [("proxy-image", port, IMAGE, plain)]
+    else:
+        images = [(f"image-{arm}", proxies[arm][0], IMAGE, proxies[arm][1])
+                  for arm in STORE_SIZES]
+        images.insert(1, ("image-no-lookups", port, IMAGE, plain))
+    if "peer" in proxies:
+        images.append(("peer-image", peer_port, IMAGE, peer))
+    return rows + (_alternated(images, level_index) if len(images) > 1 else images)
 
 
 def main() -> None:
@@ -225,27 +309,34 @@ def main() -> None:
     p.add_argument("--levels", default="1,8,32,64")
     p.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp")
     p.add_argument("--no-store", dest="has_store", action="store_false",
-                   help="no store arm: one proxy, without an EC store (no lookups)")
+                   help="no store arms: one proxy, without an EC store (no lookups)")
+    p.add_argument("--peer", metavar="PATH",
+                   help="vLLM's examples/disaggregated/disaggregated_encoder/"
+                        "disagg_epd_proxy.py, run beside epdctl's proxy")
     p.add_argument("--fakes", nargs=3, type=float, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.fakes:
         _run(_serve_fakes(int(a.fakes[0]), int(a.fakes[1]), a.fakes[2]))
         return
+    if a.peer and not os.path.isfile(a.peer):
+        p.error(f"--peer: no file {a.peer}")
     e_port, pd_port = free_port(), free_port()
     fakes = subprocess.Popen([sys.executable, __file__, "--fakes", str(e_port), str(pd_port),
                               str(a.delay_ms / 1000)])
     store_dir = tempfile.mkdtemp(prefix="epdctl-bench-",
                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    namespace = "bench-0123456789ab"
-    (Path(store_dir) / namespace / "entries").mkdir(parents=True)  # empty: every look misses
     stores: dict[str, list[str]] = {"plain": []}
-    if a.has_store:
-        stores["lookups"] = ["--store-dir", store_dir, "--namespace", namespace]
     proxies: dict[str, tuple[int, subprocess.Popen]] = {}
     try:
+        if a.has_store:
+            for n, (arm, entries) in enumerate(STORE_SIZES.items()):
+                stores[arm] = _fill_store(store_dir, f"bench{n}-0123456789ab", entries)
         for arm, store in stores.items():
             port = free_port()
             proxies[arm] = (port, _start_proxy(port, e_port, pd_port, a.client, store))
+        if a.peer:
+            port = free_port()
+            proxies["peer"] = (port, _start_peer(a.peer, port, e_port, pd_port))
         for port in (e_port, pd_port, *(port for port, _ in proxies.values())):
             _wait_port(port)
         rows = []
@@ -257,7 +348,7 @@ def main() -> None:
                 cpu_us = (_cpu_s(proxy.pid) - cpu_before) * 1e6 / max(result["n"], 1) \
                     if proxy else 0.0
                 rows.append((level, name, result))
-                print(f"c={level:<4} {name:<16} rps={result['rps']:8.0f} "
+                print(f"c={level:<4} {name:<17} rps={result['rps']:8.0f} "
                       f"p50={result['p50_ms']:7.2f}ms p99={result['p99_ms']:7.2f}ms"
                       + (f" proxy_cpu={cpu_us:6.0f}us/req" if proxy else ""), flush=True)
     finally:
@@ -272,7 +363,7 @@ def main() -> None:
 
 
 def _summary(rows: list[tuple[int, str, dict]]) -> str:
-    """The key=value line: text overhead at the first level, best req/s, lookup ratios."""
+    """The key=value line: text overhead at the first level, best req/s, the ratios."""
     first = rows[0][0]
     runs: dict[tuple[int, str], list[dict]] = {}
     for lvl, name, res in rows:
@@ -285,12 +376,23 @@ def _summary(rows: list[tuple[int, str, dict]]) -> str:
     added_p99 = by[(first, "proxy")]["p99_ms"] - by[(first, "direct")]["p99_ms"]
     line = (f"added_p50_ms={added_p50:.3f} added_p99_ms={added_p99:.3f} "
             f"max_rps={best['proxy']:.0f}")
+    peer = ""
+    if "peer" in best:
+        image = "image-lookups" if "image-lookups" in best else "proxy-image"
+        peer = (f" text_rps_ratio_peer={best['proxy'] / best['peer']:.3f}"
+                f" stream_rps_ratio_peer={best['proxy-stream'] / best['peer-stream']:.3f}"
+                f" image_rps_ratio_peer={best[image] / best['peer-image']:.3f}")
     if "proxy-image" in best:
-        return f"{line} max_rps_image={best['proxy-image']:.0f}"
+        return f"{line} max_rps_image={best['proxy-image']:.0f}" \
+               f" max_rps_stream={best['proxy-stream']:.0f}{peer}"
     p50_ratio = by[(first, "image-lookups")]["p50_ms"] / by[(first, "image-no-lookups")]["p50_ms"]
-    return (f"{line} max_rps_image={best['image-lookups']:.0f} "
-            f"image_rps_ratio_lookups={best['image-lookups'] / best['image-no-lookups']:.3f} "
-            f"image_p50_ratio_lookups={p50_ratio:.3f}")
+    none = best["image-lookups"]
+    return (f"{line} max_rps_image={none:.0f} "
+            f"image_rps_ratio_lookups={none / best['image-no-lookups']:.3f} "
+            f"image_p50_ratio_lookups={p50_ratio:.3f} "
+            f"max_rps_stream={best['proxy-stream']:.0f} "
+            f"image_rps_ratio_1k={best['image-lookups-1k'] / none:.3f}{peer} "
+            f"image_rps_ratio_10k={best['image-lookups-10k'] / none:.3f}")
 
 
 if __name__ == "__main__":

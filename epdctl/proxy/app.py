@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 from starlette.responses import Response
 
+from epdctl.proxy import jsonio
 from epdctl.proxy.client import wrap
 from epdctl.proxy.config import MODE_LABEL, ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY
@@ -43,7 +43,7 @@ class ProxyApp:
         # Roles and counts for anyone (probes, load balancers); URLs only to a keyed caller.
         is_ok, report = proxy.upstreams.report(with_urls=proxy.is_trusted(scope))
         body = {**report, "mode": MODE_LABEL[proxy.config.mode], "inflight": proxy.inflight}
-        return Response(json.dumps(body), 200 if is_ok else 503, media_type=JSON_TYPE)
+        return Response(jsonio.dumps(body), 200 if is_ok else 503, media_type=JSON_TYPE)
 
     def _metrics(self, scope: dict[str, Any]) -> Response:
         proxy = self._proxy

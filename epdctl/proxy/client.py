@@ -44,9 +44,15 @@ def wrap(client: Any, connect_timeout_s: float = 5.0, api_key: str | None = None
     """
     if isinstance(client, httpx.AsyncClient):
         return HttpxUpstream(client, connect_timeout_s, api_key)
-    from epdctl.proxy.client_aiohttp import AiohttpUpstream
+    # aiohttp: POSTs to the instances over the proxy's own pools (client_raw), the rest on
+    # it; all on it where httptools (a dependency where it builds) is missing.
+    try:
+        from epdctl.proxy.client_raw import RawUpstream
+    except ImportError:
+        from epdctl.proxy.client_aiohttp import AiohttpUpstream
 
-    return AiohttpUpstream(client, connect_timeout_s, api_key)
+        return AiohttpUpstream(client, connect_timeout_s, api_key)
+    return RawUpstream(client, connect_timeout_s, api_key)
 
 
 def with_key(headers: Mapping[str, str], auth: str | None) -> Mapping[str, str]:

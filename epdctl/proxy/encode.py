@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from epdctl.proxy import jsonio
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
@@ -81,11 +81,11 @@ class Encoder:
         Without a consumer a failed item is a fallback (PD encodes it); with one it is not:
         a Mooncake consumer cannot encode, so the caller decides what a failure means.
         """
-        return await self.fan_out(body, self.look(body, items, trace, consumer_zmq), trace,
-                                  consumer_zmq)
+        return await self.fan_out(body, await self.look(body, items, trace, consumer_zmq),
+                                  trace, consumer_zmq)
 
-    def look(self, body: dict[str, Any], items: list[MediaItem], trace: Trace,
-             consumer_zmq: str | None = None) -> Looked:
+    async def look(self, body: dict[str, Any], items: list[MediaItem], trace: Trace,
+                   consumer_zmq: str | None = None) -> Looked:
         """The distinct items, and which of them the store already holds (no E for those)."""
         unique: dict[str, MediaItem] = {}
         for item in items:
@@ -97,7 +97,8 @@ class Encoder:
         if unique and is_keyed and self.lookup is not None and self.config.should_look_up:
             looked.lookups = len(unique)
             out = looked.hits
-            for uuid, hit in self.lookup.find(unique, self.config.metadata_rewrite).items():
+            found = await self.lookup.find_off_loop(unique, self.config.metadata_rewrite)
+            for uuid, hit in found.items():
                 out.reported[uuid] = (hit.key, hit.metadata)
                 if hit.params:
                     out.params[hit.key] = hit.params
@@ -221,7 +222,7 @@ class Encoder:
 def _parse(data: bytes, uuid: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """E's key for the item, its metadata and its whole ec_transfer_params entry."""
     try:
-        params = json.loads(data).get("ec_transfer_params")
+        params = jsonio.loads(data).get("ec_transfer_params")
     except (ValueError, AttributeError):
         params = None
     if not isinstance(params, dict) or not params:

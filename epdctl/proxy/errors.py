@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from http import HTTPStatus
+
+from epdctl.proxy import jsonio
 
 JSON_TYPE = "application/json"
 # vLLM's `type` for the statuses its own errors use (serve/exception_handling); any other
@@ -66,7 +67,7 @@ class UpstreamError(Exception):
 def error_body(message: str, status: int, param: str | None = None) -> bytes:
     """`{"error": {"message", "type", "param", "code"}}` as vLLM writes it, as bytes."""
     error = {"message": message, "type": vllm_type(status), "param": param, "code": status}
-    return json.dumps({"error": error}).encode()
+    return jsonio.dumps({"error": error})
 
 
 def bad_request(message: str, param: str | None = None) -> ProxyError:

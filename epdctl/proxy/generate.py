@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from epdctl.proxy import jsonio
 from epdctl.proxy.client import Reply, Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UpstreamError
@@ -123,7 +123,7 @@ class Generator:
     async def _attempt(self, route: str, body: dict[str, Any] | bytes, may_fall_back: bool,
                        is_stream: bool, trace: Trace, avoid: dict[str, Instance]) -> Answer:
         if self.prefill_pool is not None:
-            as_dict = body if isinstance(body, dict) else json.loads(body)
+            as_dict = body if isinstance(body, dict) else jsonio.loads(body)
             if route != RESPONSES or needs_prefill(as_dict):
                 kv = await self._prefill(route, as_dict, trace, avoid.get("prefill"))
                 body = decode_body(as_dict, kv)
@@ -165,7 +165,7 @@ class Generator:
             raise StageFailed("prefill", inst, status=reply.status,
                               content_type=reply.content_type, body=data)
         try:
-            return json.loads(data).get("kv_transfer_params")
+            return jsonio.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
             return None
 
@@ -200,7 +200,7 @@ class Generator:
                 head, in_stream = await _peek(chunks)
             if in_stream is not None and may_fall_back:  # else vLLM's own stream, as it is
                 raise StageFailed(stage, inst, status=error_status(in_stream),
-                                  body=json.dumps(in_stream).encode())
+                                  body=jsonio.dumps(in_stream))
             stream = relay(head, chunks, reply, inst, trace, stage,
                            self.config.stream_idle_timeout_s)
             is_handed_off = True  # the relay closes the reply and releases the instance

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
-from epdctl.proxy import responses
+from epdctl.proxy import jsonio, responses
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoder, Looked
@@ -242,14 +241,14 @@ class ProxyHandler:
         if route not in CONTENT_FIELDS:
             return raw
         try:
-            body = json.loads(raw)
+            body = jsonio.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return raw
         if not isinstance(body, dict):
             return raw
         scoped, _ = scope_client_uuids(body, self.config.client_uuids,
                                        field=CONTENT_FIELDS[route])
-        return raw if scoped is body else json.dumps(scoped).encode()
+        return raw if scoped is body else jsonio.dumps(scoped)
 
     def _media(self, route: str, body: dict[str, Any]) -> list[MediaItem]:
         if self.encoder is None:
@@ -264,7 +263,7 @@ class ProxyHandler:
         assert self.encoder is not None
         if route == RESPONSES:
             view, moved = responses.encoder_view(body, items)
-            looked = self.encoder.look(view, moved, trace)
+            looked = await self.encoder.look(view, moved, trace)
             if self._overlaps(looked, moved, has_rewrite=False):
                 self._overlap(view, looked, trace)
                 encoded = looked.hits
@@ -272,7 +271,7 @@ class ProxyHandler:
                 encoded = await self.encoder.fan_out(view, looked, trace)
             keyed = responses.pd_body(body, items, encoded.params)
             return keyed, keyed, False
-        looked = self.encoder.look(body, items, trace)
+        looked = await self.encoder.look(body, items, trace)
         if self._overlaps(looked, items, has_rewrite=self.config.metadata_rewrite):
             self._overlap(body, looked, trace)
             first = pd_body(body, items, looked.hits.reported, looked.hits.params, False)[0]

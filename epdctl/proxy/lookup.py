@@ -12,11 +12,17 @@ missed lookup by open(2) added ~5 % of the proxy's CPU per image request), so a 
 checked on disk only when an index says its entry may be there: the names the last scan of
 `entries/` saw (every SCAN_INTERVAL_S) and the keys E answered for since. An entry another
 writer made since the last scan is found by the next one; until then its item goes to E.
+
+Neither the scan nor a hit's checks run on the event loop: a listing of thousands of entries
+and a hit's header read, sidecar read and `utime` run in a worker thread (asyncio.to_thread),
+the loop only tests names against the index. Scans run one at a time (a lock, which close()
+waits on too).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +36,10 @@ STATS_WRITER = "proxy"
 SCAN_INTERVAL_S = 1.0
 """How often the index is rebuilt from `entries/`, E's metadata written beside its entries
 and the counters flushed."""
+
+
+Kept = tuple[dict[str, Any], str]
+"""E's ec_transfer_params entry for an item, and the item's modality."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +63,12 @@ class StoreLookup:
         self.silent: set[str] = set()
         """Modalities E has answered for without metadata (nothing to rewrite them to)."""
         self._stems: set[str] = set()  # entries the last scan saw, and E's keys since
-        # E's entries (and the items' modalities) not yet kept beside theirs.
-        self._fresh: dict[str, tuple[dict[str, Any], str]] = {}
+        self._added: set[str] = set()  # E's keys since the running scan began
+        # E's entries (and the items' modalities) not yet kept beside theirs, and those the
+        # running scan is keeping.
+        self._fresh: dict[str, Kept] = {}
+        self._writing: dict[str, Kept] = {}
+        self._scan_lock = threading.Lock()
         # Plain counts on the hot path; scan() writes them for `cache inspect`.
         self.lookups = self.skipped = self.sent = 0
         # A refused store is written nothing, not even counters (its stats/ is theirs).
@@ -62,8 +76,19 @@ class StoreLookup:
         self._flushed = (0, 0, 0)
         self.scan()
 
+    async def find_off_loop(self, unique: dict[str, MediaItem],
+                            needs_metadata: bool) -> dict[str, Hit]:
+        """find(), its file-system calls in a worker thread; the loop only tests the index
+        (no thread at all when no item is in it: a miss costs a set lookup)."""
+        candidates = {uuid: item for uuid, item in unique.items()
+                      if Store.stem(uuid) in self._stems}
+        if not candidates:
+            return {}
+        return await asyncio.to_thread(self.find, candidates, needs_metadata)
+
     def find(self, unique: dict[str, MediaItem], needs_metadata: bool) -> dict[str, Hit]:
-        """The items (by uuid) whose entry is complete and valid now.
+        """The items (by uuid) whose entry is complete and valid now (blocking: file-system
+        calls per indexed item; the proxy calls it through find_off_loop).
 
         With `needs_metadata` (the rewrite is on) an entry without kept metadata is no hit
         for a modality E reports metadata for: E's answer will keep it, and later requests
@@ -77,7 +102,7 @@ class StoreLookup:
             if isinstance(self.store.check(uuid), Miss):
                 self._stems.discard(stem)
                 continue
-            fresh = self._fresh.get(uuid)
+            fresh = self._fresh.get(uuid) or self._writing.get(uuid)
             entry = fresh[0] if fresh and fresh[0].get("metadata") else read_meta(
                 self.store, uuid)
             if entry is None and needs_metadata and item.modality in self.reporting:
@@ -97,7 +122,9 @@ class StoreLookup:
         # A key other than the uuid (mm kwargs, LoRA prefix) can never be looked up by uuid.
         if key != item.uuid:
             return
-        self._stems.add(Store.stem(key))
+        stem = Store.stem(key)
+        self._stems.add(stem)
+        self._added.add(stem)
         # Kept for every item (its modality at least, for `cache inspect --entries`).
         self._fresh[key] = (entry, item.modality)
 
@@ -108,24 +135,43 @@ class StoreLookup:
 
     def scan(self) -> None:
         """Rebuild the index from `entries/`, keep E's fresh metadata beside the entries it
-        describes (atomically), and flush the counters if they changed."""
-        stems = self.store.entry_stems()
-        for key, (entry, modality) in self._fresh.items():
-            if Store.stem(key) in stems:
-                write_meta(self.store, key, entry, modality)
-        self._fresh.clear()
-        self._stems = stems
-        totals = (self.lookups, self.skipped, self.sent)
-        if totals != self._flushed and self._stats is not None:
-            self._stats.set_totals(lookups=totals[0], skipped=totals[1], sent=totals[2])
-            self._stats.flush()  # best effort, like every stats writer
-            self._flushed = totals
+        describes (atomically), and flush the counters if they changed; all here and now
+        (at start and close; run_scans does the file work in a thread)."""
+        self._apply(self._scan_files(*self._take()))
 
     async def run_scans(self) -> None:
-        """scan() every SCAN_INTERVAL_S; a task beside the server, cancelled with it."""
+        """A scan every SCAN_INTERVAL_S, its file work in a worker thread; a task beside the
+        server, cancelled with it."""
         while True:
             await asyncio.sleep(SCAN_INTERVAL_S)
-            self.scan()
+            job = self._take()
+            self._apply(await asyncio.to_thread(self._scan_files, *job))
+
+    def _take(self) -> tuple[dict[str, Kept], tuple[int, int, int]]:
+        """On the loop: what a scan writes (E's fresh metadata, the counters), taken; with
+        what a scan that never finished (cancelled at shutdown) had taken."""
+        self._writing, self._fresh = {**self._writing, **self._fresh}, {}
+        self._added = set()
+        return self._writing, (self.lookups, self.skipped, self.sent)
+
+    def _scan_files(self, fresh: dict[str, Kept], totals: tuple[int, int, int]) -> set[str]:
+        """The blocking part of a scan (any thread): list, write metadata, flush counters."""
+        with self._scan_lock:
+            stems = self.store.entry_stems()
+            for key, (entry, modality) in fresh.items():
+                if Store.stem(key) in stems:
+                    write_meta(self.store, key, entry, modality)
+            if totals != self._flushed and self._stats is not None:
+                self._stats.set_totals(lookups=totals[0], skipped=totals[1], sent=totals[2])
+                self._stats.flush()  # best effort, like every stats writer
+                self._flushed = totals
+            return stems
+
+    def _apply(self, stems: set[str]) -> None:
+        """On the loop: the new index, with the keys E answered for while it was made."""
+        self._stems = stems | self._added
+        self._added = set()
+        self._writing = {}
 
     def close(self) -> None:
         self.scan()

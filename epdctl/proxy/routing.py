@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from epdctl.proxy import jsonio
 from epdctl.proxy.errors import ProxyError, bad_request
 
 CHAT = "/v1/chat/completions"
@@ -39,6 +39,9 @@ class MediaItem:
     """Client-supplied, or filled in by media.assign_uuids from the content bytes."""
     data_url: str | None = None
     """Set when the proxy fetched a remote URL: the bytes it hashed, sent on instead."""
+    keyed: tuple[dict[str, Any], tuple[str | None, str | None], jsonio.Shared] | None = field(
+        default=None, init=False, repr=False, compare=False)
+    """The part as E and PD get it (_media_part), built once: serialized once for both."""
 
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
@@ -81,7 +84,7 @@ def parse_body(raw: bytes, route: str, models: tuple[str, ...]) -> dict[str, Any
     the client gets vLLM's own refusal (or, if vLLM takes it, vLLM's answer).
     """
     try:
-        body = json.loads(raw)
+        body = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -159,12 +162,17 @@ def find_media(body: dict[str, Any]) -> list[MediaItem]:
 
 
 def _media_part(part: dict[str, Any], item: MediaItem) -> dict[str, Any]:
-    """A copy of a media part carrying the item's uuid (and fetched bytes, if any)."""
-    new = dict(part)
+    """A copy of a media part carrying the item's uuid (and fetched bytes, if any); one
+    copy per item, however many bodies carry it (jsonio.Shared: serialized once)."""
+    made_for = (item.uuid, item.data_url)
+    if item.keyed is not None and item.keyed[0] is part and item.keyed[1] == made_for:
+        return item.keyed[2]
+    new = jsonio.Shared(part)
     if item.data_url is not None:
         new[item.part_type] = {**part[item.part_type], "url": item.data_url}
     if item.uuid is not None:
         new["uuid"] = item.uuid
+    item.keyed = (part, made_for, new)
     return new
 
 
@@ -290,4 +298,4 @@ def decode_body(body: dict[str, Any], kv_params: object) -> dict[str, Any]:
 
 
 def dumps(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    return jsonio.dumps(body)

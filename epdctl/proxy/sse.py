@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
+
+from epdctl.proxy import jsonio
 
 # vLLM separates events with a blank line; tolerate CRLF from other servers.
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
@@ -30,7 +31,7 @@ def classify(event: bytes) -> tuple[str, dict[str, Any] | None]:
     if data.strip() == b"[DONE]":
         return "commit", None
     try:
-        obj = json.loads(data)
+        obj = jsonio.loads(data)
     except ValueError:
         return "commit", None  # not ours to judge: pass it through
     if not isinstance(obj, dict):
@@ -78,4 +79,4 @@ def error_status(obj: dict[str, Any]) -> int:
 def error_event(message: str) -> bytes:
     """An SSE error event in vLLM's shape, for failures after the stream was committed."""
     error = {"message": message, "type": "Bad Gateway", "param": None, "code": 502}
-    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    return b"data: " + jsonio.dumps_event({"error": error}) + b"\n\n"

@@ -1,0 +1,272 @@
+"""The proxy's POSTs to its instances (E, P, D, PD sub-requests: the hot path) over its own
+HTTP/1.1 keep-alive pool, parsed by httptools; everything else through aiohttp.
+
+Under cProfile on benchmarks/proxy.py, aiohttp's client was a third of the proxy's time on
+the image path (two sub-requests a request: building, header maps, payload objects, timers);
+here a request is one write of prebuilt bytes and a parser callback per event. Passed-through
+routes, media fetches and health probes (rare, and needing redirects, decompression, any
+method) stay on the aiohttp session (client_aiohttp).
+
+Timeouts are the callers' (every stage runs under its own deadline); a connection is pooled
+again only after a whole answer that allows it (never after a 5xx: uvicorn may close it
+without saying so) and kept for at most `keepalive_s` (below vLLM's 5 s). A pooled connection
+the instance closed meanwhile, found dead before any byte of its answer, is replaced once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+from epdctl.proxy.client import with_key
+from epdctl.proxy.client_aiohttp import AiohttpUpstream
+from epdctl.proxy.errors import UpstreamError
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; `reply` is the answer being read on it, if any."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.reply: RawReply | None = None
+        self.is_closed = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.abort(exc)
+
+    def eof_received(self) -> bool:
+        return False  # close; connection_lost tells the reply
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.is_closed = True
+        if self.reply is not None:
+            self.reply._lost(exc)
+
+    def abort(self, exc: Exception | None = None) -> None:
+        self.is_closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        if self.reply is not None:
+            self.reply._lost(exc)
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.reply is not None:
+            self.reply.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        if self.reply is not None:
+            self.reply._head(self.parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        if self.reply is not None:
+            self.reply._data(body)
+
+    def on_message_complete(self) -> None:
+        if self.reply is not None:
+            self.reply._complete(self.parser.should_keep_alive())
+
+
+class RawReply:
+    """An answer on a pooled connection, behind the Reply interface."""
+
+    def __init__(self, pool: _Pool, conn: _Conn, stage: str) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._stage = stage
+        self.status = 0
+        self.content_type = "application/json"
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._chunks: list[bytes] = []
+        self._is_complete = self._keep_alive = self._has_begun = False
+        self._is_until_close = True  # no length, not chunked: the body ends with the connection
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # from the connection
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _head(self, status: int) -> None:
+        self.status = status
+        self._has_begun = True
+        for name, value in self.raw_headers:
+            name = name.lower()
+            if name == b"content-type":
+                self.content_type = value.decode("latin-1")
+            elif name in (b"content-length", b"transfer-encoding"):
+                self._is_until_close = False
+        self._wake()
+
+    def _data(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._wake()
+
+    def _complete(self, keep_alive: bool) -> None:
+        self._is_complete, self._keep_alive = True, keep_alive
+        self._wake()
+
+    def _lost(self, exc: Exception | None) -> None:
+        if exc is None and self._has_begun and self._is_until_close:
+            self._complete(False)  # HTTP/1.0-style: a clean close ends the answer
+            return
+        if not self._is_complete and self._error is None:
+            self._error = exc or ConnectionResetError("connection closed by the instance")
+        self._wake()
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
+
+    async def _head_ready(self) -> None:
+        while not self._has_begun:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    # the Reply interface
+    def header_list(self) -> list[tuple[bytes, bytes]]:
+        return list(self.raw_headers)
+
+    def _broken(self) -> UpstreamError:
+        error = self._error
+        detail = f"{type(error).__name__}: {error}".rstrip(": ")
+        return UpstreamError(self._stage, self._pool.base, "broken", detail)
+
+    async def read(self) -> bytes:
+        while not self._is_complete:
+            if self._error is not None:
+                raise self._broken()
+            await self._wait()
+        chunks, self._chunks = self._chunks, []
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            if self._chunks:
+                chunks, self._chunks = self._chunks, []
+                for chunk in chunks:
+                    yield chunk
+            elif self._is_complete:
+                return
+            elif self._error is not None:
+                raise self._broken()
+            else:
+                await self._wait()
+
+    async def close(self) -> None:
+        conn = self._conn
+        conn.reply = None
+        if self._is_complete and self._keep_alive and self.status < 500 and not conn.is_closed:
+            self._pool.release(conn)
+        else:
+            conn.abort()
+
+
+class _Pool:
+    """The idle keep-alive connections to one instance."""
+
+    def __init__(self, base: str, keepalive_s: float) -> None:
+        url = urlsplit(base)
+        self.base = base
+        self.host = url.hostname or "127.0.0.1"
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self.host_header = f"host: {url.netloc}\r\n".encode("latin-1")
+        self.keepalive_s = keepalive_s
+        self.idle: deque[_Conn] = deque()  # the most recently used last
+
+    def idle_conn(self) -> _Conn | None:
+        """The most recently used live connection, dropping any past keep-alive."""
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.is_closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.abort()
+        return None
+
+    async def connect(self, timeout_s: float) -> _Conn:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout_s):
+            _, conn = await loop.create_connection(_Conn, self.host, self.port)
+        return conn
+
+    def release(self, conn: _Conn) -> None:
+        now = conn.idle_since = time.monotonic()
+        idle = self.idle
+        while idle and (idle[0].is_closed or now - idle[0].idle_since >= self.keepalive_s):
+            idle.popleft().abort()  # the oldest, unused past keep-alive (or closed by now)
+        idle.append(conn)
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.abort()
+        self.idle.clear()
+
+
+class RawUpstream(AiohttpUpstream):
+    """POSTs over the proxy's own pools; request, fetch and probe through aiohttp."""
+
+    def __init__(self, session: object, connect_timeout_s: float, api_key: str | None = None,
+                 keepalive_s: float = 2.0) -> None:
+        super().__init__(session, connect_timeout_s, api_key)  # type: ignore[arg-type]
+        self._keepalive_s = keepalive_s
+        self._pools: dict[str, _Pool] = {}
+
+    async def post(  # type: ignore[override]
+            self, base: str, path: str, body: bytes, headers: Mapping[str, str],
+            read_timeout_s: float, stage: str) -> RawReply:
+        pool = self._pools.get(base)
+        if pool is None:
+            pool = self._pools[base] = _Pool(base, self._keepalive_s)
+        head = [f"POST {path} HTTP/1.1\r\n".encode("latin-1"), pool.host_header,
+                b"content-length: %d\r\n" % len(body)]
+        head += [f"{k}: {v}\r\n".encode("latin-1")
+                 for k, v in with_key(headers, self._auth).items()]
+        request = b"".join((*head, b"\r\n", body))
+        is_fresh = False
+        while True:
+            conn = None if is_fresh else pool.idle_conn()
+            is_reused = conn is not None
+            if conn is None:
+                try:
+                    conn = await pool.connect(self._connect_s)
+                except (OSError, TimeoutError) as exc:
+                    kind = "timeout" if isinstance(exc, TimeoutError) else "unavailable"
+                    detail = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                    raise UpstreamError(stage, base, kind, detail) from None
+            reply = conn.reply = RawReply(pool, conn, stage)
+            assert conn.transport is not None
+            conn.transport.write(request)
+            try:
+                await reply._head_ready()
+            except (OSError, httptools.HttpParserError) as exc:
+                conn.abort()
+                if is_reused:
+                    is_fresh = True  # closed while idle: once more on a fresh connection
+                    continue
+                detail = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                raise UpstreamError(stage, base, "unavailable", detail) from None
+            except BaseException:
+                conn.abort()  # cancelled (the client left, a deadline): never pooled again
+                raise
+            return reply
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()

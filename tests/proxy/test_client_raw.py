@@ -1,0 +1,229 @@
+"""The proxy's own keep-alive POSTs (epdctl.proxy.client_raw) against a real local server:
+what goes out, answers whole and streamed, reuse, and each failure named as the callers
+expect (unavailable: nothing answered, retryable; broken: an answer began)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from epdctl.proxy.client_raw import RawUpstream
+from epdctl.proxy.errors import UpstreamError
+
+pytestmark = pytest.mark.anyio
+HEADERS = {"content-type": "application/json", "x-request-id": "r1"}
+OK = b'{"ok": true}'
+
+
+def answer(body: bytes = OK, status: int = 200, extra: bytes = b"") -> bytes:
+    return (b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
+            % (status, len(body), extra)) + body
+
+
+class Server:
+    """Answers each request with the next scripted action: bytes to write, or a callable
+    given the writer (to misbehave)."""
+
+    def __init__(self) -> None:
+        self.script: list[bytes | Callable[[asyncio.StreamWriter], Any]] = []
+        self.requests: list[bytes] = []
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                self.requests.append(head + await reader.readexactly(length))
+                action = self.script.pop(0) if self.script else answer()
+                if callable(action):
+                    result = action(writer)
+                    if asyncio.iscoroutine(result):
+                        await result
+                    if writer.is_closing():
+                        return
+                else:
+                    writer.write(action)
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[tuple[Server, RawUpstream, str]]:
+    server = Server()
+    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    session = aiohttp.ClientSession()
+    upstream = RawUpstream(session, 5.0)
+    try:
+        yield server, upstream, f"http://127.0.0.1:{port}"
+    finally:
+        upstream.close()
+        await session.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+async def post(upstream: RawUpstream, base: str, body: bytes = b'{"a": 1}') -> Any:
+    return await upstream.post(base, "/v1/chat/completions", body, HEADERS, 5.0, "encode")
+
+
+async def test_the_request_goes_out_whole_and_the_connection_is_reused(rig):
+    server, upstream, base = rig
+    for _ in range(3):
+        reply = await post(upstream, base)
+        assert (reply.status, reply.content_type, await reply.read()) == (
+            200, "application/json", OK)
+        await reply.close()
+    assert server.connections == 1
+    host = base.removeprefix("http://").encode()
+    assert server.requests[0] == (b"POST /v1/chat/completions HTTP/1.1\r\nhost: " + host +
+                                  b"\r\ncontent-length: 8\r\ncontent-type: application/json"
+                                  b"\r\nx-request-id: r1\r\n\r\n" + b'{"a": 1}')
+
+
+async def test_the_instances_key_goes_with_every_post(rig):
+    server, _, base = rig
+    keyed = RawUpstream(None, 5.0, api_key="s3cret")
+    try:
+        await (await post(keyed, base)).close()
+    finally:
+        keyed.close()
+    assert b"\r\nauthorization: Bearer s3cret\r\n" in server.requests[0]
+
+
+async def test_a_chunked_stream_comes_through_in_order(rig):
+    server, upstream, base = rig
+    events = [b"data: one\n\n", "data: é€😀\n\n".encode(), b"data: [DONE]\n\n"]
+
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    server.script.append(stream)
+    reply = await post(upstream, base)
+    assert reply.content_type == "text/event-stream"
+    assert b"".join([chunk async for chunk in reply.chunks()]) == b"".join(events)
+    await reply.close()
+    await (await post(upstream, base)).close()
+    assert server.connections == 1  # a whole stream leaves the connection reusable
+
+
+async def test_an_answer_that_ends_with_its_connection_is_whole(rig):
+    """HTTP/1.0 style (tests/fake_server.py streams so): no length, no chunks, then close."""
+    server, upstream, base = rig
+    events = b"data: one\n\ndata: [DONE]\n\n"
+
+    def until_close(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + events)
+        writer.close()
+
+    server.script += [until_close, until_close]
+    reply = await post(upstream, base)
+    assert b"".join([chunk async for chunk in reply.chunks()]) == events
+    await reply.close()
+    reply = await post(upstream, base)
+    assert await reply.read() == events
+    await reply.close()
+    assert server.connections == 2
+
+
+async def test_a_5xx_is_never_followed_on_its_connection(rig):
+    server, upstream, base = rig
+    server.script.append(answer(b'{"error": "boom"}', 500))
+    reply = await post(upstream, base)
+    assert (reply.status, await reply.read()) == (500, b'{"error": "boom"}')
+    await reply.close()
+    await (await post(upstream, base)).close()
+    assert server.connections == 2
+
+
+async def test_connection_close_is_honoured(rig):
+    server, upstream, base = rig
+    server.script.append(answer(extra=b"connection: close\r\n"))
+    await (await post(upstream, base)).close()
+    await (await post(upstream, base)).close()
+    assert server.connections == 2
+
+
+async def test_nothing_listening_is_unavailable(rig):
+    _, upstream, base = rig
+    dead = "http://127.0.0.1:1"
+    with pytest.raises(UpstreamError) as err:
+        await post(upstream, dead)
+    assert err.value.kind == "unavailable" and err.value.is_retryable
+
+
+async def test_closed_before_any_answer_byte_is_unavailable(rig):
+    server, upstream, base = rig
+    server.script.append(lambda writer: writer.close())
+    with pytest.raises(UpstreamError) as err:
+        await post(upstream, base)
+    assert err.value.kind == "unavailable"
+
+
+async def test_a_pooled_connection_the_instance_closed_is_replaced_once(rig):
+    server, upstream, base = rig
+    await (await post(upstream, base)).close()
+    server.script.append(lambda writer: writer.close())  # the idle connection, gone
+    reply = await post(upstream, base)
+    assert (reply.status, await reply.read()) == (200, OK)
+    await reply.close()
+    assert server.connections == 2
+
+
+async def test_an_answer_cut_short_is_broken(rig):
+    server, upstream, base = rig
+
+    def cut(writer: asyncio.StreamWriter) -> None:
+        writer.write(answer(b"x" * 100)[:-90])
+        writer.close()
+
+    server.script.append(cut)
+    reply = await post(upstream, base)
+    assert reply.status == 200
+    with pytest.raises(UpstreamError) as err:
+        await reply.read()
+    assert err.value.kind == "broken" and not err.value.is_retryable
+    await reply.close()
+
+
+async def test_a_cancelled_post_drops_its_connection(rig):
+    server, upstream, base = rig
+    received = asyncio.Event()
+
+    async def hang(writer: asyncio.StreamWriter) -> None:
+        received.set()
+        await asyncio.Event().wait()  # never answers
+
+    server.script.append(hang)
+    task = asyncio.ensure_future(post(upstream, base))
+    await received.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await (await post(upstream, base)).close()
+    assert server.connections == 2
+
+
+async def test_an_idle_connection_past_keepalive_is_not_reused(rig):
+    server, _, base = rig
+    upstream = RawUpstream(None, 5.0, keepalive_s=0.0)
+    try:
+        for _ in range(2):
+            await (await post(upstream, base)).close()
+    finally:
+        upstream.close()
+    assert server.connections == 2
