@@ -21,54 +21,13 @@ from epdctl import cache, private
 from epdctl.cache.store import Store
 from epdctl.state import RunState
 from epdctl.store_root import store_safety
+from tests.attacker import NOBODY, as_nobody, attempt
 from tests.cache.conftest import payload
 
 pytestmark = pytest.mark.timeout(120)
 IS_ROOT = os.geteuid() == 0
-NOBODY = 65534
 ME = os.geteuid()
 as_root = pytest.mark.skipif(not IS_ROOT, reason="dropping to another uid needs root")
-
-
-def as_nobody(attack: Callable[[], dict]) -> dict:
-    """Run `attack` in a forked child that dropped to uid and gid 65534 first, and return
-    what it returned (a fork, not an exec: this sandbox lets uid 65534 exec nothing)."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the attacker
-        code = 1
-        try:
-            os.close(read_fd)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            assert os.geteuid() == NOBODY
-            os.write(write_fd, json.dumps(attack()).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        out = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the attacker's child failed"
-    return json.loads(out)
-
-
-def attempt(**calls: Callable[[], object]) -> Callable[[], dict]:
-    """An attack: each call's outcome, `done` or `denied` (PermissionError)."""
-
-    def attack() -> dict:
-        out = {}
-        for what, call in calls.items():
-            try:
-                call()
-                out[what] = "done"
-            except PermissionError:
-                out[what] = "denied"
-        return out
-
-    return attack
 
 
 @pytest.fixture
@@ -123,12 +82,23 @@ def test_another_user_cannot_list_or_read_the_store(epdctl, default_topology, st
         store = Store(ns_dir.parent, state.namespace).create()  # as E's connector does
         store.publish("k", payload(2), dtype="float32", shape=(2, 8))
         os.chmod(store.entry_path("k"), 0o644)  # even a readable entry is out of reach
-        entry = store.entry_path("k")
-        seen = as_nobody(attempt(control=lambda: os.listdir(shm_base),
-                                 list_root=lambda: os.listdir(ns_dir.parent),
-                                 list_namespace=lambda: os.listdir(ns_dir),
-                                 list_entries=lambda: os.listdir(store.entries),
-                                 read_entry=lambda: Path(entry).read_bytes()))
+        entry = Path(store.entry_path("k"))
+        # Reached through a directory fd opened first (this sandbox's `/` is 0700): the
+        # attacker is stopped by the store's own modes, not by the way there.
+        base = os.open(shm_base, os.O_RDONLY | os.O_DIRECTORY)
+
+        def opened(path: Path) -> int:
+            return os.open(path.relative_to(shm_base), os.O_RDONLY, dir_fd=base)
+
+        try:
+            seen = as_nobody(attempt(
+                control=lambda: os.listdir(base),
+                list_root=lambda: os.listdir(opened(ns_dir.parent)),
+                list_namespace=lambda: os.listdir(opened(ns_dir)),
+                list_entries=lambda: os.listdir(opened(Path(store.entries))),
+                read_entry=lambda: os.read(opened(entry), 16)))
+        finally:
+            os.close(base)
         if seen.pop("control") != "done":
             pytest.skip("uid 65534 may not even list a mode 1777 directory here (a sandbox): "
                         "the attack would prove nothing")

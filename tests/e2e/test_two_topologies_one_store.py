@@ -119,6 +119,80 @@ def _old_namespace(ours: TopologyRun, name: str) -> Store:
     return store
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
+def test_another_user_gets_nothing_from_the_engines_of_the_demo_as_shipped(
+    pair: tuple[TopologyRun, TopologyRun],
+) -> None:
+    """uid 65534, straight to each engine of cpu-demo as shipped (no proxy.api_key): 401 on
+    every route but /health, issue 23's poisoning included (image X's bytes under image Y's
+    content key: E would save X's embedding for every later client of Y); the proxy's open
+    /health names no engine; the store cannot be listed; the run's key is in no output."""
+    import http.client  # the attacker can import nothing once it is uid 65534
+    import json
+    import urllib.parse
+
+    from epdctl.proxy.media import content_key
+    from tests.attacker import as_nobody
+
+    ours, example = pair
+    state = ours.state()
+    y = make_image(82)
+    y_key = content_key("image", y)
+    poison = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": image_data_url(make_image(81))},
+                     "uuid": y_key}]}]})
+    engines = {s.name: urllib.parse.urlsplit(s.url) for s in state.engines}
+    proxy = urllib.parse.urlsplit(ours.proxy_url)
+    ns_dir = Path(state.store_dir)
+    base = os.open(ns_dir.parent.parent, os.O_RDONLY | os.O_DIRECTORY)  # /dev/shm
+
+    def attack() -> dict:
+        out: dict[str, object] = {}
+        for name, url in engines.items():
+            for method, path in (("POST", "/v1/chat/completions"), ("POST", "/invocations"),
+                                 ("POST", "/tokenize"), ("GET", "/metrics"),
+                                 ("GET", "/v1/models"), ("GET", "/health")):
+                conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+                conn.request(method, path, poison if method == "POST" else None,
+                             {"content-type": "application/json"})
+                out[f"{name} {method} {path}"] = conn.getresponse().status
+                conn.close()
+        conn = http.client.HTTPConnection(proxy.hostname, proxy.port, timeout=60)
+        conn.request("GET", "/health")
+        out["proxy /health"] = conn.getresponse().read().decode()
+        conn.close()
+        out["control"] = "listed" if os.listdir(base) is not None else "?"
+        for what, rel in (("root", ns_dir.parent.name), ("namespace",
+                                                        f"{ns_dir.parent.name}/{ns_dir.name}")):
+            try:
+                os.listdir(os.open(rel, os.O_RDONLY, dir_fd=base))
+                out[what] = "listed"
+            except PermissionError:
+                out[what] = "denied"
+        return out
+
+    try:
+        seen = as_nobody(attack)
+    finally:
+        os.close(base)
+    for name in engines:
+        assert seen.pop(f"{name} GET /health") == 200
+    health = json.loads(str(seen.pop("proxy /health")))
+    assert health["status"] == "ok" and "http://" not in json.dumps(health), health
+    assert (seen.pop("control"), seen.pop("root"), seen.pop("namespace")) == (
+        "listed", "denied", "denied")
+    assert seen and set(seen.values()) == {401}, seen
+    mine, _ = _entry_paths(ours, example, y_key)
+    assert not mine.exists()  # E never ran the poisoned request
+    key = state.internal_key
+    shown = [ours.cli(*args).stdout for args in (("status",), ("status", "--json"),
+                                                 ("logs", "-n", "2000"),
+                                                 ("up", str(ours.path), "--dry-run"))]
+    logs = [p.read_text(errors="replace") for p in (ours.run_dir / "logs").iterdir()
+            if p.is_file()]
+    assert key and not any(key in text for text in shown + logs)
+
+
 def test_down_of_one_leaves_the_others_store_intact(
     pair: tuple[TopologyRun, TopologyRun],
 ) -> None:
@@ -139,3 +213,4 @@ def test_down_of_one_leaves_the_others_store_intact(
     result = ours.cli("down", "--name", ours.name, timeout_s=90)
     assert result.returncode == 0, result.stderr
     assert not ours_ns.exists() and not ours_ns.parent.exists()  # the root, once empty
+
