@@ -40,13 +40,15 @@ DECODE_TIMEOUT_S = 40  # the client gets a 504 past this: the local encode must 
 @pytest.fixture(scope="module")
 def probe(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Probe]:
     tmp = tmp_path_factory.mktemp("overlap-engines")
-    with store_root(tmp) as (cache_dir, _):
+    with store_root(tmp) as (cache_dir, is_small):
 
         def change(data: dict[str, Any]) -> None:
             debug_logs(data)  # the connector's "encoding locally" lines
             data["proxy"] = {**(data.get("proxy") or {}), "overlap": True,
                              "encode_timeout": ENCODE_TIMEOUT_S,
                              "decode_timeout": DECODE_TIMEOUT_S}
+            if is_small:
+                data["cache"]["capacity"] = "2MiB"  # the tmpfs is 4 MiB
 
         with topology("cpu-demo", tmp, tiny_llava, cache_dir, change) as running:
             yield Probe(running)
