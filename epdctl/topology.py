@@ -187,6 +187,7 @@ class Topology(BaseModel):
         lines = self._role_mix()
         lines += _args_problems("engine", self.engine.args)
         lines += connector_problems(self)
+        lines += self._overlap_problems()
         for name, role in self.roles.items():
             where = f"roles -> {name}"
             if self.device == "cpu":
@@ -209,6 +210,20 @@ class Topology(BaseModel):
         if lines:
             raise Problems(lines)
         return self
+
+    def _overlap_problems(self) -> list[str]:
+        """With overlap, P or PD waits for E up to encode_timeout, then encodes the item
+        itself: its own timeout must leave room for that (else a hung E is a 504)."""
+        proxy = self.proxy
+        if not proxy.overlap or "encode" not in self.roles:
+            return []
+        name = "prefill_timeout" if "prefill" in self.roles else "decode_timeout"
+        limit = getattr(proxy, name)
+        if proxy.encode_timeout < limit:
+            return []
+        return [f"proxy -> encode_timeout: {proxy.encode_timeout:g}s must be below "
+                f"proxy.{name} ({limit:g}s) with overlap on: P or PD waits for E that long "
+                "before it encodes the item itself"]
 
     def _role_mix(self) -> list[str]:
         roles = set(self.roles)

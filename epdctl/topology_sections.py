@@ -186,7 +186,9 @@ class Proxy(BaseModel):
     no faster there (`benchmarks/overlap.py`); try it with `epdctl bench --arm` where E has
     a GPU of its own."""
     encode_timeout: Seconds = _PROXY["encode_timeout_s"]
-    """Deadline for an encoder's answer to one media item."""
+    """Deadline for an encoder's answer to one media item. With `overlap` it must be below
+    `decode_timeout` (`prefill_timeout` in E|P|D): PD (or P) waits for E that long, then
+    encodes the item itself, and must still answer in time."""
     prefill_timeout: Seconds = _PROXY["prefill_timeout_s"]
     """Deadline for the prefill answer (E|P|D)."""
     decode_timeout: Seconds = _PROXY["decode_timeout_s"]

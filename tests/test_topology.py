@@ -91,6 +91,10 @@ EXPECTED = {
     "not-utf8.yaml": [
         'not UTF-8 text (byte 0xe9 at offset 21)',
     ],
+    "overlap-encode-timeout.yaml": [
+        ("proxy -> encode_timeout: 120s must be below proxy.decode_timeout (90s) with overlap "
+         "on: P or PD waits for E that long before it encodes the item itself"),
+    ],
     "pd-with-p-and-d.yaml": [
         ('roles: prefill_decode cannot be combined with prefill or decode; use encode + '
          'prefill_decode (E|PD) or encode + prefill + decode (E|P|D)'
@@ -325,6 +329,35 @@ def test_proxy_host(host: str, ok: bool) -> None:
             "t.yaml: invalid topology\n  proxy -> host: expected an address such as 127.0.0.1 "
             f"or 0.0.0.0 (no scheme or port), got {host!r}"
         )
+
+
+E_PD = {"encode": {}, "prefill_decode": {}}
+E_P_D = {"encode": {}, "prefill": {}, "decode": {}}
+
+
+@pytest.mark.parametrize(("roles", "proxy", "refused"), [
+    (E_PD, {"overlap": True, "encode_timeout": 120}, "decode_timeout (120s)"),
+    (E_PD, {"overlap": True, "encode_timeout": 119.5}, None),
+    (E_P_D, {"overlap": True, "encode_timeout": 30, "prefill_timeout": 30,
+             "decode_timeout": 300}, "prefill_timeout (30s)"),
+    (E_P_D, {"overlap": True, "encode_timeout": 30, "prefill_timeout": 31,
+             "decode_timeout": 10}, None),
+    (E_PD, {"encode_timeout": 600}, None),  # without overlap PD starts after E gave up
+    ({"prefill_decode": {}}, {"overlap": True, "encode_timeout": 600}, None),  # no E
+])
+def test_with_overlap_encode_timeout_must_be_below_the_waiting_stages(
+        roles: dict, proxy: dict, refused: str | None) -> None:
+    """With overlap P (E|P|D) or PD (E|PD) gets the request beside E's and waits for E up to
+    encode_timeout: its own timeout must be longer, or a hung E turns into a 504."""
+    data = {**MINIMAL, "roles": roles, "proxy": proxy}
+    if refused is None:
+        parse_topology(data)
+        return
+    with pytest.raises(TopologyError) as info:
+        parse_topology(data, "t.yaml")
+    (line,) = str(info.value).splitlines()[1:]
+    assert line.startswith(f"  proxy -> encode_timeout: {proxy['encode_timeout']}s must be "
+                           f"below proxy.{refused} with overlap on")
 
 
 def test_short_tp_flag_is_reserved() -> None:

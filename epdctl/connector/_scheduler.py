@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
 from vllm.distributed.ec_transfer.ec_connector.utils import (
@@ -24,9 +24,26 @@ logger = init_logger(f"vllm.{__name__}")
 
 # Held pins get fresh names after this long, well inside the janitor's PIN_TTL_S.
 PIN_RENEW_S = 120.0
-# The longest a request waits for one item an encoder is computing (a pending mark), even
-# if the mark says longer: then it encodes the item itself.
-MAX_PENDING_WAIT_S = 300.0
+# A request waiting for an item an encoder is computing (a pending mark) looks at the store
+# again after FIRST_LOOK_S, then after twice as long each time, up to LAST_LOOK_S: a waiting
+# engine steps about every millisecond, and each look is a link and a stat. The wait itself
+# ends at the mark's deadline (the proxy's encode timeout), never earlier.
+FIRST_LOOK_S = 0.001
+LAST_LOOK_S = 0.050
+
+
+class Clock(Protocol):
+    """The scheduler's time: `monotonic` for its own intervals, `wall` for a mark's deadline
+    (an epoch, the mark's mtime). A seam: tests step a clock of their own."""
+
+    def monotonic(self) -> float: ...
+
+    def wall(self) -> float: ...
+
+
+class SystemClock:
+    monotonic = staticmethod(time.monotonic)
+    wall = staticmethod(time.time)
 
 
 @dataclass(frozen=True)
@@ -48,7 +65,16 @@ class EpdctlECMetadata(ECConnectorMetadata):
 class _Held:
     pin: Pin
     requests: set[str]
-    pinned_at: float = field(default_factory=time.monotonic)
+    pinned_at: float
+
+
+@dataclass
+class _Wait:
+    """One request waiting for one pending item: since when, and when to look again."""
+
+    since: float
+    look_at: float
+    interval: float = FIRST_LOOK_S
 
 
 class SchedulerSide:
@@ -63,7 +89,9 @@ class SchedulerSide:
         ranks: int,
         resolver: PlaceholderMetadataResolver,
         stat: Callable[..., None],
+        clock: Clock | None = None,
     ) -> None:
+        self.clock: Clock = clock or SystemClock()
         self._store = store
         self._engine_id = engine_id
         self._dtype = dtype
@@ -76,7 +104,7 @@ class SchedulerSide:
         self._failed: set[str] = set()
         self._unavailable: set[str] = set()
         self._seen: set[str] = set()
-        self._waiting: dict[tuple[str, str], float] = {}  # (request, item) -> waiting since
+        self._waiting: dict[tuple[str, str], _Wait] = {}  # (request, item) -> its wait
         self._meta = EpdctlECMetadata()
 
     def has(self, key: str) -> bool:
@@ -104,10 +132,14 @@ class SchedulerSide:
             if (held := self._pins.get(key)) is not None:
                 held.requests.add(rid)
                 self._count_hit(rid, index, key)
-                if time.monotonic() - held.pinned_at > PIN_RENEW_S:
+                if self.clock.monotonic() - held.pinned_at > PIN_RENEW_S:
                     # A request can wait long for KV space; stay clear of the janitor's TTL.
-                    held.pin, held.pinned_at = self._store.renew(held.pin), time.monotonic()
+                    held.pin, held.pinned_at = (self._store.renew(held.pin),
+                                                self.clock.monotonic())
                 continue
+            wait = self._waiting.get((rid, key))
+            if wait is not None and self.clock.monotonic() < wait.look_at:
+                return False  # not yet time to look again: no store call this step
             result = self._pin(rid, index, feature)
             if not isinstance(result, Pin) and result.is_missing:
                 if self._is_pending(rid, key):
@@ -116,7 +148,7 @@ class SchedulerSide:
                 # its mark, between the pin and the look at the mark. One more pin decides.
                 result = self._pin(rid, index, feature)
             if isinstance(result, Pin):
-                self._pins[key] = _Held(result, {rid})
+                self._pins[key] = _Held(result, {rid}, self.clock.monotonic())
                 self._count_hit(rid, index, key)
                 self._end_wait(rid, key, landed=True)
                 continue
@@ -128,17 +160,21 @@ class SchedulerSide:
 
     def _is_pending(self, rid: str, key: str) -> bool:
         """Whether to wait for `key`: an encoder is computing it (the proxy sent this
-        request before E answered) and its mark's deadline, and ours, are still ahead."""
+        request before E answered) and the mark's deadline is still ahead. Then the next
+        look is due after the next interval, or at that deadline if it comes first."""
         until = self._store.pending_until(key)
-        since = self._waiting.get((rid, key))
-        now = time.monotonic()
-        if until is not None and until > time.time() and (
-                since is None or now - since < MAX_PENDING_WAIT_S):
-            if since is None:
-                self._waiting[(rid, key)] = now
-                self._stat(waits=1)
-            return True
-        return False
+        left = None if until is None else until - self.clock.wall()
+        if left is None or left <= 0:
+            return False
+        now = self.clock.monotonic()
+        wait = self._waiting.get((rid, key))
+        if wait is None:
+            wait = self._waiting[(rid, key)] = _Wait(since=now, look_at=now)
+            self._stat(waits=1)
+        else:
+            wait.interval = min(wait.interval * 2, LAST_LOOK_S)
+        wait.look_at = now + min(wait.interval, left)
+        return True
 
     def _pin(self, rid: str, index: int, feature: MultiModalFeatureSpec) -> Pin | Miss:
         return self._store.pin(
@@ -153,9 +189,10 @@ class SchedulerSide:
 
     def _end_wait(self, rid: str, key: str, *, landed: bool) -> None:
         """A wait is over: the entry landed, or E failed or ran out of time (local encode)."""
-        since = self._waiting.pop((rid, key), None)
-        if since is not None:
-            self._stat(wait_s=time.monotonic() - since, **({} if landed else {"expired": 1}))
+        wait = self._waiting.pop((rid, key), None)
+        if wait is not None:
+            self._stat(wait_s=self.clock.monotonic() - wait.since,
+                       **({} if landed else {"expired": 1}))
             if not landed:
                 logger.info("EC entry %s did not arrive while %s waited: encoding it locally",
                             key, rid)

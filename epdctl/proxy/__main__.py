@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from epdctl.proxy.config import LOOPBACK, MODE_LABEL, ProxyConfig, parse_argv
@@ -21,18 +23,34 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     return parse_argv(argv, description=__doc__)
 
 
-async def serve(config: ProxyConfig) -> None:
-    """Own the shared client, run the health loop beside the server, close both on exit."""
+async def serve(config: ProxyConfig) -> list[int]:
+    """Own the shared client, run the health loop beside the server, close both on exit;
+    the signals that stopped it (main raises them again once all is written)."""
     import uvicorn
 
     from epdctl.proxy.app import create_app
     from epdctl.proxy.logline import LineWriter
 
+    class Server(uvicorn.Server):
+        """uvicorn's, except that the signal it stopped on is not raised again as serve()
+        returns (the process would die there, before the cleanup below) but kept."""
+
+        stopped_by: list[int] = []
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                captured = getattr(self, "_captured_signals", None)
+                if isinstance(captured, list):
+                    self.stopped_by = list(captured)
+                    captured.clear()
+
     lines = LineWriter()
     async with _client(config) as client:
         app = create_app(config, client, lines)
         # "auto": httptools when installed (a dependency), else uvicorn's pure-Python h11.
-        server = uvicorn.Server(uvicorn.Config(
+        server = Server(uvicorn.Config(
             app, host=config.host, port=config.port, http="auto", lifespan="off",
             access_log=False, log_level="warning", timeout_keep_alive=30, backlog=4096))
         health = asyncio.create_task(app.state.proxy.run_health_checks())
@@ -50,8 +68,11 @@ async def serve(config: ProxyConfig) -> None:
             await server.serve()
         finally:
             health.cancel()
+            # Overlapped requests' lines wait for their E stages: cancel those first.
+            await app.state.proxy.stop_background()
             lines.flush()
             app.state.proxy.close()
+    return server.stopped_by
 
 
 def _client(config: ProxyConfig) -> Any:
@@ -81,7 +102,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ImportError:
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(config))
+        stopped_by = runner.run(serve(config))
+    for sig in reversed(stopped_by):  # die of it, as uvicorn would have (the exit status)
+        signal.signal(sig, signal.SIG_DFL)
+        signal.raise_signal(sig)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,12 @@ class ProxyConfig:
             raise ValueError(f"unknown EC protocol `{self.ec_protocol}`")
         if bool(self.store_dir) != bool(self.namespace):
             raise ValueError("--store-dir and --namespace go together")
+        if self.overlap and self.encode and self.encode_timeout_s >= self.beside_e_timeout_s:
+            flag = "--prefill-timeout" if self.is_split else "--decode-timeout"
+            raise ValueError(
+                f"--encode-timeout ({self.encode_timeout_s:g}s) must be below {flag} "
+                f"({self.beside_e_timeout_s:g}s) with --overlap: P or PD waits for E that "
+                "long before it encodes the item itself")
         if self.ec_protocol == "mooncake":
             self._check_mooncake()
         elif self.ec_consumers:
@@ -180,6 +186,12 @@ class ProxyConfig:
         """The role whose instances give the client its answer, decode or prefill_decode:
         the name of its pool, and of its stage in errors and metrics."""
         return "decode" if self.is_split else "prefill_decode"
+
+    @property
+    def beside_e_timeout_s(self) -> float:
+        """The timeout of the stage that gets its request beside E's with overlap (prefill
+        in E|P|D, else PD): it includes a wait for E of up to encode_timeout_s."""
+        return self.prefill_timeout_s if self.is_split else self.decode_timeout_s
 
     @property
     def final_read_s(self) -> float:

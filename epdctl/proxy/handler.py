@@ -21,6 +21,7 @@ from epdctl.proxy.media import MediaTooLarge, assign_uuids, scope_client_uuids
 from epdctl.proxy.metrics import Metrics, outcome_of
 from epdctl.proxy.mooncake import MooncakeRoute
 from epdctl.proxy.passthrough import Passthrough
+from epdctl.proxy.pending import Overlap, PendingMarks
 from epdctl.proxy.routing import (
     CHAT,
     CONTENT_FIELDS,
@@ -73,12 +74,14 @@ class ProxyHandler:
         self.metrics.inflight.set_function(lambda: self.inflight)  # read at scrape time
         encode_pool = self.upstreams.pools.get("encode")
         self.lookup = None
-        self._background: set[asyncio.Task[None]] = set()  # E stages beside PD (overlap)
         if config.should_look_up or config.should_overlap:
             self.lookup = StoreLookup(config.store_dir, config.namespace)
-        self.encoder = None
+        self.encoder = self.overlap = None
         if encode_pool:
             self.encoder = Encoder(config, encode_pool, client, self.metrics, self.lookup)
+            if self.lookup is not None and config.should_overlap:  # E beside PD
+                self.overlap = Overlap(PendingMarks(self.lookup.store), self.encoder,
+                                       config.encode_timeout_s)
         self.generator = Generator(config, self.upstreams, client, self.metrics)
         self.passthrough = Passthrough(config, self.upstreams, client, self.metrics)
         self.mooncake = None
@@ -100,10 +103,18 @@ class ProxyHandler:
     def close(self) -> None:
         """Flush what outlives the app (the store counters); __main__ calls it on exit.
         E stages still running beside PD are cancelled (their marks go as they unwind)."""
-        for task in self._background:
-            task.cancel()
+        if self.overlap is not None:
+            self.overlap.cancel()
         if self.lookup is not None:
             self.lookup.close()
+
+    async def stop_background(self) -> None:
+        """Cancel the E stages still running beside PD (overlap) and wait until they are
+        gone: their marks are removed and their requests' lines handed to the request log
+        by then (__main__ flushes it after this)."""
+        if self.overlap is not None:
+            self.overlap.cancel()
+            await self.overlap.settle()
 
     async def run_health_checks(self) -> None:
         """Background probe loop (and the store index's scans); __main__ runs it as a task
@@ -301,30 +312,16 @@ class ProxyHandler:
                                       known.reporting for it in items)
 
     def _overlap(self, body: dict[str, Any], looked: Looked, trace: Trace) -> None:
-        """Mark E's items pending in the store and start E beside PD; the marks go when E
-        answers, fails or times out (then PD encodes what it still lacks)."""
-        assert self.encoder is not None and self.lookup is not None
-        store = self.lookup.store
-        deadline = time.time() + self.config.encode_timeout_s
-        keys = [key for key in looked.unique if store.mark_pending(key, deadline)]
-        trace.notes.append("overlap=1")
+        """E beside PD: marks that go when no request relies on them any more (then PD
+        encodes what it still lacks); one E for an item several such requests share."""
+        assert self.overlap is not None
+        self.overlap.start(body, looked, trace)
         self.metrics.overlapped.inc()
-
-        async def encode() -> None:
-            try:
-                await self.encoder.fan_out(body, looked, trace)  # type: ignore[union-attr]
-            finally:
-                for key in keys:
-                    store.clear_pending(key)
-
-        task = trace.encoding = asyncio.ensure_future(encode())
-        self._background.add(task)  # kept referenced until done
-        task.add_done_callback(self._background.discard)
 
     async def settle(self) -> None:
         """Wait for the E stages still running beside PD (overlap); tests and shutdown."""
-        while self._background:
-            await asyncio.wait(set(self._background))
+        if self.overlap is not None:
+            await self.overlap.settle()
 
     def _finish(self, trace: Trace, status: int | str) -> None:
         outcome = outcome_of(status) if isinstance(status, int) else "cancelled"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -97,3 +98,26 @@ def produce(root: Path, key: str, t: torch.Tensor) -> None:
 
 def pins(root: Path) -> list[str]:
     return os.listdir(root / NS / "pins")
+
+
+class ManualClock:
+    """The scheduler side's clock (its `clock` seam), moved only by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.epoch = time.time()  # a mark's deadline is an mtime: keep it near real time
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.epoch + self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def manual_clock(sched: EpdctlShmECConnector) -> ManualClock:
+    clock = ManualClock()
+    sched._sched.clock = clock
+    return clock

@@ -31,6 +31,21 @@ def test_without_a_final_stage_the_error_names_the_flags(capsys):
         "error: give --prefill-decode, or --prefill and --decode")
 
 
+@pytest.mark.parametrize(("argv", "refused"), [
+    (["--prefill-decode", "http://pd", "--decode-timeout", "60"], "--decode-timeout (60s)"),
+    (["--prefill", "http://p", "--decode", "http://d", "--prefill-timeout", "59",
+      "--decode-timeout", "600"], "--prefill-timeout (59s)"),
+])
+def test_with_overlap_encode_timeout_must_be_below_the_waiting_stages(capsys, argv, refused):
+    base = ["--model", "m", "--encode", "http://e", "--encode-timeout", "60", *argv]
+    assert not parse_argv(base).overlap  # without overlap: E first, no wait at PD
+    with pytest.raises(SystemExit):
+        parse_argv([*base, "--overlap"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --encode-timeout (60s) must be below {refused} with --overlap: P or PD "
+        "waits for E that long before it encodes the item itself")
+
+
 @pytest.mark.parametrize(("kwargs", "role"), [
     ({"prefill_decode": ("http://pd0",)}, "prefill_decode"),
     ({"prefill": ("http://p0",), "decode": ("http://d0",)}, "decode"),

@@ -174,3 +174,33 @@ async def test_responses_overlap(rig_factory, store):
     assert marks[0] is not None
     (pd,) = rig.fakes.posts("pd")
     assert pd.body["input"][0]["content"][0]["uuid"] == key
+
+
+async def test_two_overlapped_requests_sharing_an_image_make_one_e_encode(rig_factory, store,
+                                                                          caplog):
+    """The second request's item is already at E for the first: it goes to no encoder, both
+    PDs wait on the one mark, which stays until that E is over (no PD encodes meanwhile)."""
+    caplog.set_level("INFO", "epdctl.proxy")
+    rig = with_store(rig_factory, store)
+    await learned(rig)
+    key, gate = content_key("image", OTHER), asyncio.Event()
+
+    async def held_e(seen: Seen) -> None:
+        await gate.wait()
+
+    rig.fakes.then("e0", held_e)
+    replies = await asyncio.gather(*(rig.chat([image_part(OTHER)], request_id=f"r{n}")
+                                     for n in (1, 2)))
+    assert [r.status_code for r in replies] == [200, 200]  # PD answered both, E still busy
+    assert len(rig.fakes.posts("e")) == 1 and len(rig.fakes.posts("pd")) == 2
+    for pd in rig.fakes.posts("pd"):
+        assert pd.body["messages"][0]["content"][0]["uuid"] == key
+    assert store.pending_until(key) is not None and rig.proxy.overlap.marks.count(key) == 2
+    assert await overlapped(rig) == 2
+    gate.set()
+    await rig.proxy.settle()
+    assert len(rig.fakes.posts("e")) == 1
+    assert store.has_entry(key) and store.pending_until(key) is None
+    lines = sorted(r.getMessage() for r in caplog.records if "overlap=1" in r.getMessage())
+    assert len(lines) == 2 and "encode_shared" not in lines[0]
+    assert lines[1].startswith("rid=r2 ") and "encode_shared=1" in lines[1]
