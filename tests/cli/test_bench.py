@@ -58,13 +58,24 @@ def test_both_arms_report_every_figure(bench: Bench, fake_topology: Callable[...
         ("epd", "concurrency 1"), ("aggregated", "concurrency 1"),
         ("epd", "concurrency 2"), ("aggregated", "concurrency 2")]
     for row in doc["results"]:
-        assert row["figures"]["completed"] == 5 and row["figures"]["request_goodput"] == 1.25
-        assert None not in row["figures"].values()
+        # every fake request is within the SLO: goodput is req/s
+        assert row["figures"]["completed"] == 5 and row["figures"]["request_goodput"] == 2.5
+        assert row["figures"]["request_goodput_ci"][0] <= 2.5 <= \
+            row["figures"]["request_goodput_ci"][1]
+        # 5 requests support no TTFT percentile: shown as what they would need
+        assert row["unsupported"] == {"ttft_p50_ms": "n<20", "ttft_p90_ms": "n<100",
+                                      "ttft_p99_ms": "n<1000"}
+        shown = {k: v for k, v in row["figures"].items()
+                 if k.removesuffix("_ci") not in row["unsupported"]}
+        assert None not in shown.values(), shown
         assert "--max-concurrency" in row["argv"] and row["argv"][-2:] == ["--goodput", "ttft:100"]
+        assert "--save-detailed" in row["argv"]
     # the fake bench answers TTFT p90 = 60 + seed: both arms got the same seeds
-    assert [r["figures"]["ttft_p90_ms"] for r in doc["results"]] == [60.0, 60.0, 61.0, 61.0]
+    assert [r["rounds"][0]["figures"]["ttft_p90_ms"] for r in doc["results"]] == [
+        60.0, 60.0, 61.0, 61.0]
     assert doc["results"][0]["store"] is not None and doc["results"][1]["store"] is None
-    assert len(doc["verdicts"]) == 2 and "on par" in doc["verdicts"][0]["text"]
+    assert len(doc["verdicts"]) == 2
+    assert "no significant difference at n=5" in doc["verdicts"][0]["text"]
     assert doc["correctness"]["ok"] is True and len(doc["correctness"]["prompts"]) == 6
     assert doc["correctness"]["answers"]["aggregated"][0] == "hello from fake"
     assert doc["vllm_version"] and doc["epdctl_version"] and doc["devices"]
@@ -96,7 +107,8 @@ def test_an_arm_on_another_connector_reports_everything_but_store_figures(
         ("epd", "concurrency 2"), ("example", "concurrency 2")]
     for row in doc["results"]:
         assert row["figures"]["completed"] == 5 and row["figures"]["failed"] == 0
-        assert None not in row["figures"].values()
+        assert [k for k, v in row["figures"].items() if v is None
+                and k.removesuffix("_ci") not in row["unsupported"]] == []
         assert set(row["proxy"]) == set(doc["results"][0]["proxy"])
         if row["arm"] == "example":
             assert row["store"] is None and row["ratios"] is not None
@@ -122,7 +134,8 @@ def test_the_table_on_the_terminal(bench: Bench, fake_topology: Callable[..., Pa
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].split()[:6] == ["load", "arm", "done", "failed", "req/s", "tok/s"]
-    assert "concurrency 1: `epd` and `aggregated` are on par" in result.stdout
+    assert "concurrency 1: `epd` vs `aggregated`: no significant difference at n=5" in \
+        result.stdout
 
 
 def test_an_arm_that_dies_while_starting(bench: Bench, fake_topology: Callable[..., Path],
