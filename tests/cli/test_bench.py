@@ -256,3 +256,46 @@ def test_without_matplotlib_everything_but_the_plot_is_written(
     assert "plot.png not written: matplotlib is not installed (pip install 'epdctl[bench]')" \
         in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "runs"]
+
+
+def test_two_rounds_then_compare_two_saved_runs(bench: Bench, epdctl: Callable[..., Result],
+                                                fake_topology: Callable[..., Path],
+                                                state_root: Path, tmp_path: Path) -> None:
+    """--rounds 2 alternates the arms (the second stays up across the round's end); two
+    saved runs compare through `bench compare`, as a table and as JSON."""
+    path = fake_topology()
+    for name in ("a", "b"):
+        result = bench(str(path), "--max-concurrency", "2", "--num-prompts", "6",
+                       "--rounds", "2", "--warmup", "2", "--out", str(tmp_path / name))
+        assert result.exit_code == 0, result.output
+    assert "round 2: aggregated epd" in result.stderr
+    assert result.stderr.count("[1/2] epd: starting") == 2
+    assert result.stderr.count("[2/2] aggregated: starting") == 1
+    assert result.stderr.count("epd: warm-up, 2 requests (not counted)") == 2
+    assert "2 round(s), arms in turn: epd aggregated | aggregated epd" in result.stdout
+    doc = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert [r["n"] for r in doc["results"]] == [12, 12]
+    assert (tmp_path / "a" / "runs" / "epd-warmup-2.json").exists()
+
+    shown = epdctl("bench", "compare", str(tmp_path / "a"), str(tmp_path / "b" / "report.json"))
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.startswith(f"A = {tmp_path / 'a'}\nB = ")
+    assert "concurrency 2: `B:epd` vs `A:epd`: no significant difference at n=12" in shown.stdout
+    assert "B:aggregated" in shown.stdout
+    as_json = epdctl("bench", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--arm", "epd",
+                     "--json")
+    assert as_json.exit_code == 0, as_json.output
+    out = json.loads(as_json.stdout)
+    assert [r["arm"] for r in out["results"]] == ["A:epd", "B:epd"]
+    assert [v["kind"] for v in out["verdicts"]] in (["undecided"], ["on_par"])
+    nothing_runs(state_root)
+
+
+def test_compare_errors_and_help(epdctl: Callable[..., Result], tmp_path: Path) -> None:
+    result = epdctl("bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: {tmp_path / 'a.json'}: not a bench report")
+    assert len(result.stderr.strip().splitlines()) == 1
+    helped = epdctl("bench", "compare", "--help")
+    assert helped.exit_code == 0 and " bench compare [OPTIONS] A B" in helped.stdout
+    assert "bench compare A/report.json B/report.json" in epdctl("bench", "--help").stdout
