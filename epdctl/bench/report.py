@@ -151,6 +151,17 @@ def correctness(runs: Sequence[ArmRun], prompts: Sequence[Prompt]) -> dict[str, 
             "answers": {r.arm.name: [a.text for a in r.greedy] for r in runs}}
 
 
+def notes(runs: Sequence[ArmRun]) -> list[str]:
+    """What differs between arms besides their layout and may show in the figures."""
+    logging = [r.arm.name for r in runs if r.arm.topology.engine.log_requests]
+    if not logging or len(logging) == len(runs):
+        return []
+    quiet = [r.arm.name for r in runs if r.arm.name not in logging]
+    return [f"{', '.join(f'`{n}`' for n in logging)} log every request "
+            f"(engine.log_requests) and {', '.join(f'`{n}`' for n in quiet)} do not: its cost "
+            "is in their figures"]
+
+
 def build(runs: Sequence[ArmRun], workload: Workload, prompts: Sequence[Prompt],
           **meta: Any) -> dict[str, Any]:
     """The `bench --json` document (and report.json)."""
@@ -164,7 +175,7 @@ def build(runs: Sequence[ArmRun], workload: Workload, prompts: Sequence[Prompt],
              "file": str(r.arm.path), "mode": r.arm.topology.mode, "hash": topology_hash(r.arm),
              "instances": r.instances, "notes": list(r.arm.notes), "starts": r.starts}
             for r in runs]
-    doc = {**meta, "workload": workload.as_json(), "arms": arms,
+    doc = {**meta, "workload": workload.as_json(), "arms": arms, "notes": notes(runs),
            "reference": ref.arm.name if ref else None,
            "rounds": max((p.round + 1 for r in runs for p in r.points), default=0),
            "order": [{"round": rnd, "arm": arm, "point": i} for _, rnd, arm, i in order],
@@ -215,7 +226,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
               "- arms: " + "; ".join(f"`{a['name']}` = {a['topology']} ({a['mode']}, "
                                        f"{a['hash']})" for a in doc["arms"]),
               f"- workload: {_workload_line(doc['workload'])}",
-              f"- {order_line(doc)}", "", method_line(doc), ""]
+              f"- {order_line(doc)}", *(f"- note: {n}" for n in doc.get("notes") or []), "",
+              method_line(doc), ""]
     lines.append("| " + " | ".join(rows[0]) + " |")
     lines.append("|" + "|".join("---" for _ in rows[0]) + "|")
     lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]

@@ -102,6 +102,8 @@ def print_results(app: App, doc: Mapping[str, Any]) -> None:
     app.out.print(results_table(doc, app.out.width), markup=False)
     if doc.get("order"):
         app.out.print(order_line(doc), markup=False)
+    for note in doc.get("notes") or []:
+        app.out.print(f"note: {note}", markup=False)
     for v in doc["verdicts"]:
         app.out.print(f"{v['load']}: {v['text']}", markup=False)
 

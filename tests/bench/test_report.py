@@ -184,3 +184,16 @@ def test_without_matplotlib_the_plot_says_how_to_get_it(
         plot.write_plot(doc([figures(1.0, 1.0)] * 2, [figures(1.0, 1.0)] * 2),
                         tmp_path / "plot.png")
     assert not (tmp_path / "plot.png").exists()
+
+
+def test_an_arm_that_logs_requests_is_noted() -> None:
+    quiet = parse_topology({"name": "q", "model": "m", "device": "cpu",
+                            "roles": {"encode": {}, "prefill_decode": {}}})
+    loud = parse_topology({"name": "l", "model": "m", "device": "cpu",
+                           "engine": {"log_requests": True},
+                           "roles": {"encode": {}, "prefill_decode": {}}})
+    arms = derive_arms(quiet, Path("q.yaml"), "none", [(Path("l.yaml"), loud)])
+    runs = [ArmRun(arm) for arm in arms]
+    assert report.notes(runs) == ["`l` log every request (engine.log_requests) and `epd` do "
+                                  "not: its cost is in their figures"]
+    assert report.notes(runs[:1]) == []
