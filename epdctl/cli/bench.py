@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from epdctl.cli._app import App, pass_app
+from epdctl.cli.bench_compare import BenchCommand
 from epdctl.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -60,25 +61,7 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
     return arms
 
 
-class _BenchCommand(click.Command):
-    """`bench TOPOLOGY ...`, and `bench compare A B` (a topology file named `compare`:
-    write `./compare`)."""
-
-    def make_context(self, info_name: str | None, args: list[str],
-                     parent: click.Context | None = None, **extra: Any) -> click.Context:
-        if args and args[0] == "compare":
-            from epdctl.cli.bench_compare import compare
-
-            return compare.make_context(f"{info_name} compare", args[1:], parent, **extra)
-        return super().make_context(info_name, args, parent, **extra)
-
-    def invoke(self, ctx: click.Context) -> Any:
-        if ctx.command is not self:
-            return ctx.command.invoke(ctx)
-        return super().invoke(ctx)
-
-
-@click.command(cls=_BenchCommand, epilog="`epdctl bench compare A/report.json B/report.json`: "
+@click.command(cls=BenchCommand, epilog="`epdctl bench compare A/report.json B/report.json`: "
                "the same table and verdicts for two saved runs (see its --help).")
 @click.argument("topology_path", metavar="TOPOLOGY", type=click.Path(path_type=Path))
 @click.option("--baseline", type=click.Choice(["aggregated", "tp", "none"]),

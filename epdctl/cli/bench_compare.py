@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -36,3 +37,19 @@ def compare(app: App, earlier: Path, later: Path, arms: tuple[str, ...], as_json
     for note in doc["workload_differences"]:
         app.err.print(f"note: the workloads differ, {note}", markup=False)
     print_results(app, doc)
+
+
+class BenchCommand(click.Command):
+    """`bench TOPOLOGY ...`, and `bench compare A B` (a topology file named `compare`:
+    write `./compare`)."""
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        if args and args[0] == "compare":
+            return compare.make_context(f"{info_name} compare", args[1:], parent, **extra)
+        return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        if ctx.command is not self:
+            return ctx.command.invoke(ctx)
+        return super().invoke(ctx)
