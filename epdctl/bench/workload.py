@@ -89,8 +89,9 @@ class Workload:
         return self.seed + round_ * len(self.points) + index
 
     def warmup_seed(self) -> int:
-        """The warm-up's requests: none of any round's."""
-        return self.seed - 1 - len(self.points)
+        """The warm-up's requests: none of any round's (up to a million rounds); vLLM takes
+        seeds from 0 to 2**32 - 1."""
+        return (self.seed + 1_000_000 * len(self.points)) % 2**32
 
     def as_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "num_prompts": self.num_prompts, "seed": self.seed,
