@@ -126,7 +126,8 @@ def check_report(result: subprocess.CompletedProcess[str], out: Path, state_root
 
 
 def test_bench_a_topology_against_a_copy_of_itself(tiny_llava: Path, tmp_path: Path) -> None:
-    """A/A: the same topology under another name and ports; a verdict here is a bug."""
+    """A/A: the same topology under another name and ports, in two rounds (A B B A); a
+    verdict here is a bug."""
     path, cache_dir = write_topology("cpu-demo", tmp_path, tiny_llava)
     copy_cache = Path(f"{cache_dir}-copy")
     (tmp_path / "copy").mkdir()
@@ -136,7 +137,7 @@ def test_bench_a_topology_against_a_copy_of_itself(tiny_llava: Path, tmp_path: P
     argv = [sys.executable, "-m", "epdctl", "--state-dir", str(state_root), "bench", str(path),
             "--baseline", "none", "--arm", str(copy), "--max-concurrency", "2",
             "--num-prompts", str(NUM_PROMPTS), "--image-size", "56", "--input-len", "32",
-            "--output-len", "8", "--warmup", "2", "--timeout", "400", "--json"]
+            "--output-len", "8", "--warmup", "2", "--rounds", "2", "--timeout", "400", "--json"]
     try:
         with release_new_semaphores():
             result = subprocess.run(argv, env=cli_env(), text=True, capture_output=True,
