@@ -157,9 +157,11 @@ def notes(runs: Sequence[ArmRun]) -> list[str]:
     if not logging or len(logging) == len(runs):
         return []
     quiet = [r.arm.name for r in runs if r.arm.name not in logging]
-    return [f"{', '.join(f'`{n}`' for n in logging)} log every request "
-            f"(engine.log_requests) and {', '.join(f'`{n}`' for n in quiet)} do not: its cost "
-            "is in their figures"]
+    return [f"{', '.join(f'`{n}`' for n in logging)} "
+            f"{'logs' if len(logging) == 1 else 'log'} every request "
+            f"(engine.log_requests) and {', '.join(f'`{n}`' for n in quiet)} "
+            f"{'does' if len(quiet) == 1 else 'do'} not: its cost is in the figures of "
+            f"{'that arm' if len(logging) == 1 else 'those arms'}"]
 
 
 def build(runs: Sequence[ArmRun], workload: Workload, prompts: Sequence[Prompt],

@@ -194,6 +194,6 @@ def test_an_arm_that_logs_requests_is_noted() -> None:
                            "roles": {"encode": {}, "prefill_decode": {}}})
     arms = derive_arms(quiet, Path("q.yaml"), "none", [(Path("l.yaml"), loud)])
     runs = [ArmRun(arm) for arm in arms]
-    assert report.notes(runs) == ["`l` log every request (engine.log_requests) and `epd` do "
-                                  "not: its cost is in their figures"]
+    assert report.notes(runs) == ["`l` logs every request (engine.log_requests) and `epd` "
+                                  "does not: its cost is in the figures of that arm"]
     assert report.notes(runs[:1]) == []
