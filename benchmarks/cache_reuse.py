@@ -6,11 +6,14 @@
 
 One workload with half its images repeated (new and repeated images alternate; each image
 comes back once, well after its first answer), sent through a proxy with the skip off and
-then through one with it on; each arm has images of its own, so neither finds the other's
-entries. Streaming chat requests arrive at --rate (Poisson; by default 90 % of the fake E's
-capacity, so without the skip requests queue for E), or from a closed loop of --concurrency
-clients (--rate 0, the default with --real). Prints E sub-requests and TTFT
-p50/p90 per arm and their ratios (on / off), ending with one key=value line.
+through one with it on, taking turns off, on, on, off (half the requests per turn), after a
+warm-up of WARMUP requests per proxy that is not counted; each turn has images of its own,
+so none finds another's entries. Streaming chat requests arrive at --rate (Poisson; by
+default 90 % of the fake E's capacity, so without the skip requests queue for E), or from a
+closed loop of --concurrency clients (--rate 0, the default with --real). Prints E
+sub-requests and TTFT p50/p90 per arm and their ratios (on / off), ending with one key=value
+line that gives each ratio's spread too (`_spread=LOW-HIGH`: the ratio of each off/on pair
+of turns).
 
 Fakes (default): one process serves a fake E that takes --e-delay-ms per item, at most
 --e-slots at a time, and then saves the item into a temporary store (as a real E does before
@@ -47,6 +50,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
 EMBED_SHAPE = (576, 1024)  # LLaVA-1.5's 576 image tokens, float16: 1.1 MiB an entry
+ORDER = ("off", "on", "on", "off")
+"""The arms' turns: A B B A, so a drift in the machine's load favours neither."""
+WARMUP = 4
 SSE = (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"}}]}\n\n'
        b"data: [DONE]\n\n")
 
@@ -256,24 +262,39 @@ def run_fakes(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
     procs = [fakes]
     try:
         wait_http(f"http://127.0.0.1:{e_port}/health")
-        arms = {}
-        for n, name in enumerate(("off", "on")):
+        proxies = {}
+        for name in ("off", "on"):
             port = free_port()
             procs.append(_proxy(port, "m", f"http://127.0.0.1:{e_port}",
                                 f"http://127.0.0.1:{pd_port}", (store_dir, namespace),
                                 name == "on"))
-            wait_http(f"http://127.0.0.1:{port}/health")
-            before = _json(f"http://127.0.0.1:{e_port}/count")["e"]
-            images = workload(a.requests, n + 1, fake_image, repeat_lag(a))
-            ttfts = drive(f"http://127.0.0.1:{port}", "m", images, a)
-            arms[name] = {"ttfts": ttfts,
-                          "e_requests": _json(f"http://127.0.0.1:{e_port}/count")["e"] - before}
-        return arms
+            proxies[name] = f"http://127.0.0.1:{port}"
+            wait_http(f"{proxies[name]}/health")
+        return take_turns(proxies, "m", fake_image, a,
+                          lambda: _json(f"http://127.0.0.1:{e_port}/count")["e"])
     finally:
         for proc in reversed(procs):
             proc.terminate()
             proc.wait(10)
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def take_turns(proxies: dict[str, str], model: str, make: Any, a: argparse.Namespace,
+               e_count: Any) -> dict[str, dict[str, Any]]:
+    """A warm-up per proxy (not counted), then the turns in ORDER, each with images of its
+    own: per arm, every turn's TTFTs and E sub-requests."""
+    for n, name in enumerate(proxies):
+        drive(proxies[name], model, [make(10**6 + n * WARMUP + i) for i in range(WARMUP)], a)
+    arms: dict[str, dict[str, Any]] = {name: {"turns": []} for name in proxies}
+    per_turn = max(2, a.requests // 2)
+    for n, name in enumerate(ORDER):
+        before = e_count()
+        ttfts = drive(proxies[name], model, workload(per_turn, n + 1, make, repeat_lag(a)), a)
+        arms[name]["turns"].append({"ttfts": ttfts, "e_requests": e_count() - before})
+    for arm in arms.values():
+        arm["ttfts"] = [t for turn in arm["turns"] for t in turn["ttfts"]]
+        arm["e_requests"] = sum(turn["e_requests"] for turn in arm["turns"])
+    return arms
 
 
 def _json(url: str) -> Any:
@@ -343,14 +364,8 @@ def run_real(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
                          demo.store, False, demo.key)
             wait_http(f"http://127.0.0.1:{port}/health")
             proxies = {"off": f"http://127.0.0.1:{port}", "on": demo.urls["proxy"]}
-            arms = {}
-            for n, name in enumerate(("off", "on")):
-                before = _e_finished(demo.urls["encode-0"], demo.key)
-                images = workload(a.requests, n + 1, png_image, repeat_lag(a))
-                ttfts = drive(proxies[name], demo.model, images, a)
-                arms[name] = {"ttfts": ttfts, "e_requests": round(
-                    _e_finished(demo.urls["encode-0"], demo.key) - before)}
-            return arms
+            return take_turns(proxies, demo.model, png_image, a, lambda: round(
+                _e_finished(demo.urls["encode-0"], demo.key)))
         finally:
             if off is not None:
                 off.terminate()
@@ -390,9 +405,20 @@ def main() -> None:
               f"ttft_p50={rows[name]['p50'] * 1000:7.1f}ms  "
               f"ttft_p90={rows[name]['p90'] * 1000:7.1f}ms", flush=True)
     on, off = rows["on"], rows["off"]
+    pairs = [(arms["off"]["turns"][0], arms["on"]["turns"][0]),
+             (arms["off"]["turns"][1], arms["on"]["turns"][1])]
     print(f"e_requests_ratio={on['e'] / max(off['e'], 1):.2f} "
+          f"e_requests_ratio_spread={spread(pairs, lambda t: t['e_requests'])} "
           f"ttft_p50_ratio={on['p50'] / off['p50']:.2f} "
-          f"ttft_p90_ratio={on['p90'] / off['p90']:.2f}")
+          f"ttft_p50_ratio_spread={spread(pairs, lambda t: statistics.median(t['ttfts']))} "
+          f"ttft_p90_ratio={on['p90'] / off['p90']:.2f} "
+          f"ttft_p90_ratio_spread={spread(pairs, lambda t: quantile(sorted(t['ttfts']), 0.9))}")
+
+
+def spread(pairs: list[tuple[dict[str, Any], dict[str, Any]]], figure: Any) -> str:
+    """LOW-HIGH of on / off over the pairs of turns."""
+    ratios = [figure(on) / max(figure(off), 1e-9) for off, on in pairs]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ caches holding none of its bytes: see best_of):
            (what ECExampleConnector does, on the same tmpfs)
   memcpy   one copy of the same bytes into the preallocated tensor
 Prints GB/s (tensor bytes / seconds) and ratios per size, then one key=value line with
-the worst ratios over sizes: vs_memcpy = memcpy time / ours, vs_example = example / ours.
+the worst ratios over sizes: vs_memcpy = memcpy time / ours, vs_example = example / ours,
+each with its spread (`_spread=LOW-HIGH`: the quartiles of the per-rep ratio at that size).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,8 +37,10 @@ SCRATCH_BYTES = 256 << 20  # well above the last-level cache of any one CPU
 SIZES = ((1280, 3584, torch.bfloat16), (4096, 3584, torch.bfloat16), (16384, 2048, torch.float16))
 
 
-def best_of(reps: int, fns: dict[str, Callable[[], None]]) -> dict[str, float]:
-    """The best time of each, measured in turns (memory speed drifts on a shared host).
+def best_of(reps: int, fns: dict[str, Callable[[], None]],
+            times: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """The best time of each, measured in turns in alternating order (A B C D, D C B A, ...:
+    memory speed drifts on a shared host); `times` gets every rep's time.
 
     Before each timed call a scratch buffer larger than the CPU caches is rewritten, so
     every path starts with none of its bytes cached (as in serving, where an encoder
@@ -47,12 +51,25 @@ def best_of(reps: int, fns: dict[str, Callable[[], None]]) -> dict[str, float]:
         fn()  # warm-up: first-touch page faults, allocator growth
     best = dict.fromkeys(fns, float("inf"))
     for rep in range(reps):
-        for name, fn in fns.items():
+        for name, fn in list(fns.items())[:: 1 if rep % 2 == 0 else -1]:
             scratch.fill_(rep)
             start = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+            took = time.perf_counter() - start
+            best[name] = min(best[name], took)
+            if times is not None:
+                times.setdefault(name, []).append(took)
     return best
+
+
+def spread(times: dict[str, list[float]], slow: str, fast: str) -> str:
+    """LOW-HIGH: the quartiles of slow / fast over the reps (a rep's two paths ran side by
+    side)."""
+    ratios = [a / b for a, b in zip(times[slow], times[fast], strict=True)]
+    if len(ratios) < 4:
+        return f"{min(ratios):.2f}-{max(ratios):.2f}"
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return f"{q1:.2f}-{q3:.2f}"
 
 
 def ours(
@@ -89,6 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="epdctl-bench-", dir=args.dir)
     worst_memcpy = worst_example = worst_fresh = float("inf")
+    spreads = {"vs_memcpy": "-", "vs_example": "-"}
     try:
         store = Store(root, "bench").create()
         fresh_store = Store(root, "bench-fresh").create()
@@ -96,6 +114,7 @@ def main() -> None:
             src = torch.randn(rows, cols).to(dtype)
             dst = torch.zeros_like(src)
             nbytes = src.numel() * src.element_size()
+            rep_times: dict[str, list[float]] = {}
             best = best_of(
                 args.reps,
                 {
@@ -105,6 +124,7 @@ def main() -> None:
                     "fresh": ours(fresh_store, src, dst, fresh=True),
                     "example": example(f"{root}/example.safetensors", src, dst),
                 },
+                rep_times,
             )
             assert torch.equal(dst, src)
             clean(root, all=True)
@@ -112,6 +132,10 @@ def main() -> None:
                 best[k] for k in ("memcpy", "ours", "fresh", "example")
             )
             r_memcpy, r_example = t_memcpy / t_ours, t_example / t_ours
+            if r_memcpy < worst_memcpy:
+                spreads["vs_memcpy"] = spread(rep_times, "memcpy", "ours")
+            if r_example < worst_example:
+                spreads["vs_example"] = spread(rep_times, "example", "ours")
             worst_memcpy, worst_example = min(worst_memcpy, r_memcpy), min(worst_example, r_example)
             worst_fresh = min(worst_fresh, t_memcpy / t_fresh)
             times = {"ours": t_ours, "fresh": t_fresh, "example": t_example, "memcpy": t_memcpy}
@@ -126,7 +150,8 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
-        f"vs_memcpy={worst_memcpy:.2f} vs_example={worst_example:.2f} "
+        f"vs_memcpy={worst_memcpy:.2f} vs_memcpy_spread={spreads['vs_memcpy']} "
+        f"vs_example={worst_example:.2f} vs_example_spread={spreads['vs_example']} "
         f"fresh_vs_memcpy={worst_fresh:.2f}"
     )
 

@@ -4,6 +4,7 @@ then writes a result file with the figures `--save-result` writes, from its own 
 from __future__ import annotations
 
 import json
+import random
 import sys
 import urllib.request
 from pathlib import Path
@@ -21,7 +22,13 @@ def main() -> None:
         sys.exit(f"fake bench: the server serves {served}, not {value('--served-model-name')}")
     count = int(value("--num-prompts"))
     seed = int(value("--seed"))
-    result = {"duration": 2.0, "completed": count, "failed": 0,
+    # Per-request data (--save-detailed) drawn around the summary figures; 4 chunks each.
+    rng = random.Random(seed)
+    ttfts = [rng.uniform(0.02, 0.06) + seed / 1000.0 for _ in range(count)]
+    detailed = {"ttfts": ttfts, "itls": [[0.005] * 3 for _ in ttfts],
+                "latencies": [t + 0.015 for t in ttfts], "output_lens": [4] * count,
+                "errors": [""] * count}
+    result = {**detailed,"duration": 2.0, "completed": count, "failed": 0,
               "request_throughput": count / 2.0, "output_throughput": count * 4.0,
               "request_goodput": count / 4.0 if "--goodput" in args else None,
               "mean_ttft_ms": 40.0 + seed, "median_ttft_ms": 30.0 + seed,

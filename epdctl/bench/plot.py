@@ -1,4 +1,5 @@
-"""plot.png: TTFT p90 and goodput against load, one line per arm (needs matplotlib)."""
+"""plot.png: TTFT p90 (p50 on small samples) and goodput against load, one line per
+arm with its 95 % intervals (needs matplotlib)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,24 @@ def series(doc: Mapping[str, Any], figure: str) -> dict[str, list[float | None]]
     return out
 
 
+def ttft_figure(doc: Mapping[str, Any]) -> tuple[str, str]:
+    """TTFT p90, or p50 where the sample cannot support a p90."""
+    if any(r["figures"].get("ttft_p90_ms") is not None for r in doc["results"]):
+        return "ttft_p90_ms", "TTFT p90 (ms)"
+    return "ttft_p50_ms", "TTFT p50 (ms; too few requests for a p90)"
+
+
+def _errors(doc: Mapping[str, Any], arm: str, figure: str, at: list[int]) -> list[list[float]]:
+    """Distances below and above each point to its 95 % interval's ends (0: none)."""
+    rows = sorted((r for r in doc["results"] if r["arm"] == arm), key=lambda r: r["point"])
+    low, high = [], []
+    for i in at:
+        value, ci = rows[i]["figures"].get(figure), rows[i]["figures"].get(f"{figure}_ci")
+        low.append(value - ci[0] if ci and value is not None else 0.0)
+        high.append(ci[1] - value if ci and value is not None else 0.0)
+    return [low, high]
+
+
 def write_plot(doc: Mapping[str, Any], path: Path) -> None:
     """Two panels over the load points; BenchError (MISSING) without matplotlib."""
     if not has_matplotlib():
@@ -39,19 +58,22 @@ def write_plot(doc: Mapping[str, Any], path: Path) -> None:
     has_slo = bool(doc["workload"]["slo_ms"])
     right = ("request_goodput", "goodput (req/s within the SLO)") if has_slo else \
         ("request_throughput", "request throughput (req/s; no --slo given)")
-    panels = (("ttft_p90_ms", "TTFT p90 (ms)"), right)
+    panels = (ttft_figure(doc), right)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     x = list(range(len(labels)))
     for ax, (figure, title) in zip(axes, panels, strict=True):
         for arm, values in series(doc, figure).items():
             points = [(i, v) for i, v in zip(x, values, strict=True) if v is not None]
             if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=arm)
+                at = [p[0] for p in points]
+                ax.errorbar(at, [p[1] for p in points], yerr=_errors(doc, arm, figure, at),
+                            marker="o", capsize=3, label=arm)
         ax.set_title(title)
         ax.set_xticks(x, labels, rotation=15)
         ax.set_xlabel("load")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.suptitle(f"epdctl bench: {', '.join(a['name'] for a in doc['arms'])}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epdctl.bench.arms import Arm
-from epdctl.bench.runner import ArmRun
+from epdctl.bench.runner import ArmRun, PointRun
+from epdctl.bench.samples import Round
+from epdctl.bench.stats import FIGURES, Summary, summarize
+from epdctl.bench.verdicts import Comparison, judge
 from epdctl.bench.workload import Workload
 from epdctl.verify import Prompt
 
@@ -24,8 +27,7 @@ COLUMNS = {
 }
 RATIOS = ("request_goodput", "request_throughput", "output_throughput", "ttft_p90_ms",
           "ttft_p99_ms", "tpot_mean_ms")
-SAME = 0.05
-"""Ratios within 5 % of 1 count as on par."""
+COUNTS = ("completed", "failed")
 
 
 def topology_hash(arm: Arm) -> str:
@@ -50,28 +52,86 @@ def ratios(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, floa
     return out
 
 
-def verdict(arm: str, ref: str, mine: Mapping[str, Any], theirs: Mapping[str, Any],
-            ratio: Mapping[str, float | None], has_slo: bool) -> str:
-    """One line: which arm serves this load better, by goodput (or req/s) and TTFT p90."""
-    failed = {n: f["failed"] for n, f in ((arm, mine), (ref, theirs)) if f.get("failed")}
-    if failed:
-        which = ", ".join(f"`{n}` {c} failed" for n, c in failed.items())
-        return f"`{arm}` vs `{ref}`: not comparable ({which})"
-    name = "goodput" if has_slo else "req/s"
-    tput = ratio.get("request_goodput" if has_slo else "request_throughput")
-    ttft = ratio.get("ttft_p90_ms")
-    if tput is None or ttft is None:
-        return f"`{arm}` vs `{ref}`: no figures to compare"
-    figures = f"{tput:.2f}x {name}, TTFT p90 {(ttft - 1) * 100:+.0f} %"
-    up, down = tput >= 1 + SAME, tput <= 1 - SAME
-    faster, slower = ttft <= 1 - SAME, ttft >= 1 + SAME
-    if (up and not slower) or (faster and not down):
-        return f"`{arm}` is better than `{ref}` here: {figures}"
-    if (down and not faster) or (slower and not up):
-        return f"`{ref}` is better than `{arm}` here: {figures}"
-    if up or down:
-        return f"`{arm}` vs `{ref}`: mixed, {figures}"
-    return f"`{arm}` and `{ref}` are on par (within {SAME:.0%}): {figures}"
+def _sum(values: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """Counters added over rounds; a mean (`*_mean_ms`) averaged."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    out: dict[str, Any] = {}
+    for key in present[0]:
+        got = [v[key] for v in present if v.get(key) is not None]
+        if not got:
+            out[key] = None
+        elif key.endswith("_mean_ms"):
+            out[key] = round(sum(got) / len(got), 3)
+        else:
+            out[key] = sum(got)
+    return out
+
+
+def _pooled(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """vLLM's figures over rounds: counts added, the rest averaged."""
+    out: dict[str, Any] = {}
+    for key in rounds[0]["figures"]:
+        got = [r["figures"][key] for r in rounds if r["figures"].get(key) is not None]
+        out[key] = None if not got else sum(got) if key in COUNTS else sum(got) / len(got)
+    return out
+
+
+def point_row(arm: str, index: int, label: str, points: Sequence[PointRun]) -> dict[str, Any]:
+    """One arm at one load point, every round of it kept (figures are filled in later)."""
+    rounds: list[dict[str, Any]] = [
+        {"round": p.round, "seq": p.seq, "figures": p.figures, "proxy": p.proxy,
+         "store": p.store, "elapsed_s": round(p.elapsed_s, 2), "argv": p.argv,
+         "samples": p.samples.as_json() if p.samples is not None else None}
+        for p in sorted(points, key=lambda p: p.round)]
+    return {"arm": arm, "point": index, "load": label, "rounds": rounds,
+            "proxy": _sum([r["proxy"] for r in rounds]),
+            "store": _sum([r["store"] for r in rounds]),
+            "elapsed_s": round(sum(p.elapsed_s for p in points), 2), "argv": rounds[0]["argv"]}
+
+
+def summary_of(r: Mapping[str, Any], has_slo: bool, seed: int) -> Summary | None:
+    """The row's estimates and intervals from its rounds' samples (None: none saved)."""
+    if any(x.get("samples") is None for x in r["rounds"]):
+        return None
+    return summarize([Round.from_json(x["samples"]) for x in r["rounds"]], has_slo, seed)
+
+
+def finish(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Figures with their intervals, ratios and verdicts, from the rows' rounds (shared by
+    `bench` and `bench compare`)."""
+    has_slo = bool(doc["workload"]["slo_ms"])
+    summaries: dict[tuple[str, int], Summary | None] = {}
+    for number, r in enumerate(doc["results"]):
+        summary = summaries[(r["arm"], r["point"])] = summary_of(r, has_slo, seed + number)
+        figures = _pooled(r["rounds"])
+        r["unsupported"] = {}
+        if summary is not None:
+            for name in FIGURES:
+                figures[name] = summary.estimate[name]
+                ci = summary.ci[name]
+                figures[f"{name}_ci"] = [round(ci[0], 4), round(ci[1], 4)] if ci else None
+            r["unsupported"] = dict(summary.unsupported)
+            if "tpot_mean_ms" in summary.unsupported:  # one chunk: no inter-token latency
+                figures["itl_p99_ms"] = figures["tpot_p90_ms"] = None
+        r["figures"], r["n"] = figures, summary.n if summary else figures.get("completed")
+    by_key = {(r["arm"], r["point"]): r for r in doc["results"]}
+    comparisons = []
+    for r in doc["results"]:
+        ref = r.get("vs", doc.get("reference"))
+        theirs = by_key.get((ref, r["point"])) if ref and r["arm"] != ref else None
+        r["ratios"] = ratios(r["figures"], theirs["figures"]) if theirs else None
+        mine_s, theirs_s = summaries[(r["arm"], r["point"])], \
+            summaries.get((ref, r["point"])) if theirs else None
+        if theirs is not None and mine_s is not None and theirs_s is not None:
+            failed = {n: f["figures"]["failed"] for n, f in ((r["arm"], r), (ref, theirs))
+                      if f["figures"].get("failed")}
+            comparisons.append(Comparison(r["point"], r["load"], r["arm"], str(ref), mine_s,
+                                          theirs_s, failed))
+    doc["verdicts"] = judge(comparisons, has_slo)
+    doc["failed_requests"] = sum(int(r["figures"].get("failed") or 0) for r in doc["results"])
+    return doc
 
 
 def correctness(runs: Sequence[ArmRun], prompts: Sequence[Prompt]) -> dict[str, Any]:
@@ -91,36 +151,53 @@ def correctness(runs: Sequence[ArmRun], prompts: Sequence[Prompt]) -> dict[str, 
             "answers": {r.arm.name: [a.text for a in r.greedy] for r in runs}}
 
 
+def notes(runs: Sequence[ArmRun]) -> list[str]:
+    """What differs between arms besides their layout and may show in the figures."""
+    logging = [r.arm.name for r in runs if r.arm.topology.engine.log_requests]
+    if not logging or len(logging) == len(runs):
+        return []
+    quiet = [r.arm.name for r in runs if r.arm.name not in logging]
+    return [f"{', '.join(f'`{n}`' for n in logging)} "
+            f"{'logs' if len(logging) == 1 else 'log'} every request "
+            f"(engine.log_requests) and {', '.join(f'`{n}`' for n in quiet)} "
+            f"{'does' if len(quiet) == 1 else 'do'} not: its cost is in the figures of "
+            f"{'that arm' if len(logging) == 1 else 'those arms'}"]
+
+
 def build(runs: Sequence[ArmRun], workload: Workload, prompts: Sequence[Prompt],
           **meta: Any) -> dict[str, Any]:
     """The `bench --json` document (and report.json)."""
     ref = reference(runs)
-    rows: list[dict[str, Any]] = []
-    verdicts: list[dict[str, Any]] = []
-    for index, point in enumerate(workload.points):
-        theirs = ref.points[index].figures if ref is not None else None
-        for run in runs:
-            p = run.points[index]
-            ratio = ratios(p.figures, theirs) if theirs is not None and run is not ref else None
-            rows.append({"arm": run.arm.name, "point": index, "load": point.label,
-                         "figures": p.figures, "proxy": p.proxy, "store": p.store,
-                         "ratios": ratio, "elapsed_s": round(p.elapsed_s, 2), "argv": p.argv})
-            if ratio is not None and ref is not None and theirs is not None:
-                verdicts.append({"point": index, "load": point.label, "arm": run.arm.name,
-                                 "text": verdict(run.arm.name, ref.arm.name, p.figures, theirs,
-                                                 ratio, bool(workload.slo))})
+    rows = [point_row(run.arm.name, index, point.label,
+                      [p for p in run.points if p.index == index])
+            for index, point in enumerate(workload.points) for run in runs]
+    order = sorted((p.seq, p.round, run.arm.name, p.index) for run in runs for p in run.points)
     check = correctness(runs, prompts)
     arms = [{"name": r.arm.name, "kind": r.arm.kind, "topology": r.arm.topology.name,
              "file": str(r.arm.path), "mode": r.arm.topology.mode, "hash": topology_hash(r.arm),
-             "instances": r.instances, "notes": list(r.arm.notes)} for r in runs]
-    failed = sum(int(p.figures.get("failed") or 0) for r in runs for p in r.points)
-    return {**meta, "workload": workload.as_json(), "arms": arms,
-            "reference": ref.arm.name if ref else None, "results": rows, "verdicts": verdicts,
-            "correctness": check, "failed_requests": failed, "ok": check["ok"]}
+             "instances": r.instances, "notes": list(r.arm.notes), "starts": r.starts}
+            for r in runs]
+    doc = {**meta, "workload": workload.as_json(), "arms": arms, "notes": notes(runs),
+           "reference": ref.arm.name if ref else None,
+           "rounds": max((p.round + 1 for r in runs for p in r.points), default=0),
+           "order": [{"round": rnd, "arm": arm, "point": i} for _, rnd, arm, i in order],
+           "results": rows, "correctness": check, "ok": check["ok"]}
+    return finish(doc, workload.seed)
 
 
 def cell(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
+
+
+def figure_cell(r: Mapping[str, Any], key: str, fmt: str) -> str:
+    """The figure, `±` half its 95 % interval; `n<100` / `n/a` where it cannot be shown."""
+    why = (r.get("unsupported") or {}).get(key)
+    if why:
+        return str(why)
+    value, ci = r["figures"].get(key), r["figures"].get(f"{key}_ci")
+    if value is None or not ci:
+        return cell(value, fmt)
+    return f"{fmt.format(value)}±{fmt.format((ci[1] - ci[0]) / 2)}"
 
 
 def table_rows(doc: Mapping[str, Any]) -> list[list[str]]:
@@ -131,8 +208,8 @@ def table_rows(doc: Mapping[str, Any]) -> list[list[str]]:
     rows = [header]
     key = "request_goodput" if doc["workload"]["slo_ms"] else "request_throughput"
     for r in doc["results"]:
-        f, proxy = r["figures"], r["proxy"]
-        row = [r["load"], r["arm"], *(cell(f.get(k), fmt) for k, (_, fmt) in COLUMNS.items()),
+        proxy = r["proxy"] or {}
+        row = [r["load"], r["arm"], *(figure_cell(r, k, fmt) for k, (_, fmt) in COLUMNS.items()),
                cell(proxy.get("encode_mean_ms"), "{:.1f}"), cell(proxy.get("fallbacks"), "{}")]
         if has_store:
             row.append(cell((r["store"] or {}).get("hits"), "{}"))
@@ -150,17 +227,17 @@ def markdown(doc: Mapping[str, Any]) -> str:
               f"{', '.join(doc.get('devices') or ['-'])}",
               "- arms: " + "; ".join(f"`{a['name']}` = {a['topology']} ({a['mode']}, "
                                        f"{a['hash']})" for a in doc["arms"]),
-              f"- workload: {_workload_line(doc['workload'])}", "",
-              "Latencies in ms; throughput per second; `x ref` is goodput (or req/s without an "
-              f"SLO) over `{doc.get('reference') or '-'}`'s.", ""]
+              f"- workload: {_workload_line(doc['workload'])}",
+              f"- {order_line(doc)}", *(f"- note: {n}" for n in doc.get("notes") or []), "",
+              method_line(doc), ""]
     lines.append("| " + " | ".join(rows[0]) + " |")
     lines.append("|" + "|".join("---" for _ in rows[0]) + "|")
     lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
     if doc["verdicts"]:
         lines += ["", "## Verdicts", ""]
         lines += [f"- {v['load']}: {v['text']}" for v in doc["verdicts"]]
-    check = doc["correctness"]
-    lines += ["", "## Greedy subset", ""]
+    check = doc.get("correctness") or {"ok": False, "prompts": [], "mismatches": []}
+    lines += ["", "## Greedy subset", ""] if check["prompts"] else []
     if check["ok"]:
         lines.append(f"{len(check['prompts'])} prompts: every arm answered as "
                      f"`{check['reference']}` did.")
@@ -168,8 +245,32 @@ def markdown(doc: Mapping[str, Any]) -> str:
         lines.append(f"- MISMATCH `{m['arm']}`, {m['prompt']}: {m['got']!r} vs {m['expected']!r}"
                      + (f" ({m['error']})" if m["error"] else ""))
     lines += ["", "## Commands", ""]
-    lines += [f"- `{r['arm']}`, {r['load']}: `{' '.join(r['argv'])}`" for r in doc["results"]]
+    lines += [f"- `{r['arm']}`, {r['load']}, round {x['round'] + 1}: `{' '.join(x['argv'])}`"
+              for r in doc["results"] for x in r["rounds"]]
     return "\n".join(lines) + "\n"
+
+
+def order_line(doc: Mapping[str, Any]) -> str:
+    """How the arms took turns: `2 rounds: epd aggregated | aggregated epd`."""
+    turns: dict[int, list[str]] = {}
+    for step in doc.get("order") or []:
+        names = turns.setdefault(step["round"], [])
+        if not names or names[-1] != step["arm"]:
+            names.append(step["arm"])
+    warmup = (doc.get("plan") or {}).get("warmup")
+    shown = " | ".join(" ".join(t) for t in turns.values())
+    extra = f"; {warmup} warm-up requests after each start, not counted" if warmup else ""
+    return f"{len(turns)} round(s), arms in turn: {shown}{extra}"
+
+
+def method_line(doc: Mapping[str, Any]) -> str:
+    ref = doc.get("reference") or "-"
+    over = "rounds and requests" if (doc.get("rounds") or 0) >= 3 else "requests"
+    return ("Latencies in ms; throughput per second; `±` is half the 95 % bootstrap interval "
+            f"(over {over}); `n<N`: a percentile that needs N requests; `n/a`: outputs of one "
+            f"chunk have no TPOT. `x ref` is goodput (or req/s without an SLO) over `{ref}`'s. "
+            "A verdict needs a ratio's interval (at 95 % over all the ratios judged) wholly "
+            "outside 5 % of 1.")
 
 
 def _workload_line(w: Mapping[str, Any]) -> str:

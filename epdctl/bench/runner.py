@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import subprocess
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from epdctl.bench.arms import Arm
+from epdctl.bench.counters import (
+    _headers,
+    _store,
+    _store_delta,
+    proxy_counters,
+    proxy_delta,
+)
+from epdctl.bench.samples import Round, parse_round
 from epdctl.bench.workload import Workload, argv, bench_command, parse_result, write_dataset
 from epdctl.errors import BenchError, EpdctlError, StartupError
 from epdctl.state import RunState
 from epdctl.verify import PROMPTS, ChatAnswer, Prompt, chat_body, send_chat
 
 POLL_S = 1.0
-# The store's counters are flushed at most once a second by each engine.
-STATS_SETTLE_S = 1.2
-STATS_WAIT_S = 6.0
 LOG_TAIL_LINES = 15
 
 
@@ -37,7 +42,7 @@ class Progress(Protocol):
 
 @dataclass
 class PointRun:
-    """One load point against one arm."""
+    """One load point against one arm, in one round."""
 
     index: int
     argv: list[str]
@@ -45,6 +50,11 @@ class PointRun:
     proxy: dict[str, float | None]
     store: dict[str, int] | None
     elapsed_s: float
+    round: int = 0
+    samples: Round | None = None
+    """Its completed requests (None: a result without per-request data)."""
+    seq: int = 0
+    """Its place in the whole bench's run order."""
 
 
 @dataclass
@@ -53,6 +63,25 @@ class ArmRun:
     instances: list[dict[str, Any]] = field(default_factory=list)
     greedy: list[ChatAnswer] = field(default_factory=list)
     points: list[PointRun] = field(default_factory=list)
+    starts: int = 0
+    """How often it was brought up (an arm that runs last in one round and first in the
+    next stays up)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How often, and how, each arm is measured."""
+
+    rounds: int = 1
+    warmup: int = 0
+    """Requests sent after each start, at the first load point's load, not counted."""
+    max_rounds: int | None = None
+    """--until-significant: add rounds up to this many while `undecided` says so."""
+
+
+def round_order(arms: Sequence[Arm], round_: int) -> list[Arm]:
+    """Arms in alternating order: A B, then B A, then A B ..."""
+    return list(arms) if round_ % 2 == 0 else list(arms)[::-1]
 
 
 def greedy_prompts(limit: int | None) -> list[Prompt]:
@@ -61,37 +90,78 @@ def greedy_prompts(limit: int | None) -> list[Prompt]:
             and (limit is None or len(p.images) <= limit)]
 
 
+@dataclass
+class _Up:
+    """The arm that is up now."""
+
+    arm: Arm
+    run: Any
+    state: RunState
+    ns_dir: Path | None
+
+
 def run_arms(arms: Sequence[Arm], workload: Workload, state_root: Path, work_dir: Path, *,
-             timeout_s: float, progress: Progress, prompts: Sequence[Prompt]) -> list[ArmRun]:
-    """Every arm in turn; each is down again before the next starts (and on any error)."""
-    datasets = _datasets(workload, work_dir, progress)
-    runs: list[ArmRun] = []
-    for number, arm in enumerate(arms, 1):
-        progress.line(f"[{number}/{len(arms)}] {arm.name}: starting {arm.topology.name} "
-                      f"({arm.topology.mode})")
-        runs.append(run_arm(arm, workload, state_root, work_dir, datasets, timeout_s=timeout_s,
-                            progress=progress, prompts=prompts, earlier=runs))
-    return runs
+             timeout_s: float, progress: Progress, prompts: Sequence[Prompt],
+             plan: Plan = Plan(),
+             undecided: Callable[[Sequence[ArmRun]], bool] = lambda runs: False
+             ) -> list[ArmRun]:
+    """Every round, the arms in alternating order; an arm goes down before the next one
+    starts (and on any error). After `plan.rounds`, more rounds while `undecided(runs)`, up
+    to `plan.max_rounds`."""
+    runs = {arm.name: ArmRun(arm) for arm in arms}
+    datasets: dict[tuple[int, int], Path] = {}
+    up: _Up | None = None
+    seq = 0
+    round_ = 0
+    try:
+        while round_ < plan.rounds or (plan.max_rounds is not None and round_ < plan.max_rounds
+                                       and undecided(list(runs.values()))):
+            datasets.update(_datasets(workload, work_dir, progress, round_))
+            order = round_order(arms, round_)
+            progress.line(f"round {round_ + 1}: {' '.join(a.name for a in order)}")
+            for arm in order:
+                if up is None or up.arm is not arm:
+                    if up is not None:
+                        _stop(up, progress)
+                        up = None
+                    up = _start(arm, runs[arm.name], workload, state_root, work_dir, plan,
+                                timeout_s, progress, prompts, arms)
+                for index in range(len(workload.points)):
+                    seq += 1
+                    point = _run_point(arm, workload, index, up.state, work_dir, datasets,
+                                       up.ns_dir, progress, list(runs.values()), round_)
+                    point.seq = seq
+                    runs[arm.name].points.append(point)
+            round_ += 1
+    finally:
+        if up is not None:
+            _stop(up, progress)
+    return list(runs.values())
 
 
-def _datasets(workload: Workload, work_dir: Path, progress: Progress) -> dict[int, Path]:
+def _datasets(workload: Workload, work_dir: Path, progress: Progress, round_: int
+              ) -> dict[tuple[int, int], Path]:
     if workload.kind != "generated":
         return {}
     paths = {}
     for index in range(len(workload.points)):
-        path = work_dir / "datasets" / f"point-{index}.jsonl"
-        counts = write_dataset(workload, index, path)
+        suffix = f"-r{round_ + 1}" if round_ else ""
+        path = work_dir / "datasets" / f"point-{index}{suffix}.jsonl"
+        counts = write_dataset(workload, index, path, round_)
         progress.line(f"dataset {path}: {counts['images']} images, "
                       f"{counts['repeated_images']} of them repeats")
-        paths[index] = path
+        paths[(round_, index)] = path
     return paths
 
 
-def run_arm(arm: Arm, workload: Workload, state_root: Path, work_dir: Path,
-            datasets: Mapping[int, Path], *, timeout_s: float, progress: Progress,
-            prompts: Sequence[Prompt], earlier: Sequence[ArmRun] = ()) -> ArmRun:
-    from epdctl.run import prepare, start_detached, stop
+def _start(arm: Arm, result: ArmRun, workload: Workload, state_root: Path, work_dir: Path,
+           plan: Plan, timeout_s: float, progress: Progress, prompts: Sequence[Prompt],
+           arms: Sequence[Arm]) -> _Up:
+    """Bring the arm up; the greedy subset the first time, the warm-up every time."""
+    from epdctl.run import prepare, start_detached
 
+    progress.line(f"[{list(arms).index(arm) + 1}/{len(arms)}] {arm.name}: starting "
+                  f"{arm.topology.name} ({arm.topology.mode})")
     run = prepare(arm.path, state_root, topology=arm.topology)
     try:
         state = start_detached(run, timeout_s, on_change=progress.on_change)
@@ -99,58 +169,82 @@ def run_arm(arm: Arm, workload: Workload, state_root: Path, work_dir: Path,
         raise StartupError(f"arm `{arm.name}` did not start: {exc}") from None
     finally:
         progress.done_starting()
-    result = ArmRun(arm, [{"name": s.name, "role": s.role, "gpus": list(s.gpus)}
-                          for s in state.engines])
+    # Store counters exist for epdctl's own store only (another connector: none shown).
+    is_ours = "encode" in arm.topology.roles and state.is_our_store
+    up = _Up(arm, run, state, Path(state.store_dir) if is_ours else None)
     try:
-        headers = _headers(state)
+        result.starts += 1
         url = state.proxy.url
-        progress.line(f"  {arm.name}: ready at {url}; greedy subset ({len(prompts)} prompts)")
-        result.greedy = [send_chat(url, chat_body(p, state.model_name), headers)
-                         for p in prompts]
-        # Store counters exist for epdctl's own store only (another connector: none shown).
-        is_ours = "encode" in arm.topology.roles and state.is_our_store
-        ns_dir = Path(state.store_dir) if is_ours else None
-        for index in range(len(workload.points)):
-            result.points.append(_run_point(arm, workload, index, state, work_dir, datasets,
-                                            ns_dir, progress, earlier))
-    finally:
-        progress.line(f"  {arm.name}: stopping")
-        try:
-            state = run.sdir.read()  # the supervisor's latest (restarts, pids)
-        except EpdctlError:
-            pass
-        stop(run.sdir, state)
-    return result
+        if not result.instances:
+            result.instances = [{"name": s.name, "role": s.role, "gpus": list(s.gpus)}
+                                for s in state.engines]
+            progress.line(f"  {arm.name}: ready at {url}; greedy subset ({len(prompts)} "
+                          "prompts)")
+            result.greedy = [send_chat(url, chat_body(p, state.model_name), _headers(state))
+                             for p in prompts]
+        if plan.warmup:
+            _warm_up(arm, workload, state, work_dir, plan.warmup, progress, result.starts)
+    except BaseException:
+        _stop(up, progress)
+        raise
+    return up
 
 
-def _headers(state: RunState) -> dict[str, str]:
-    key = state.proxy_api_key
-    return {"authorization": f"Bearer {key}"} if key else {}
+def _stop(up: _Up, progress: Progress) -> None:
+    from epdctl.run import stop
+
+    progress.line(f"  {up.arm.name}: stopping")
+    state = up.state
+    try:
+        state = up.run.sdir.read()  # the supervisor's latest (restarts, pids)
+    except EpdctlError:
+        pass
+    stop(up.run.sdir, state)
+
+
+def _warm_up(arm: Arm, workload: Workload, state: RunState, work_dir: Path, count: int,
+             progress: Progress, start: int) -> None:
+    runs_dir = work_dir / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    name = f"{arm.name}-warmup-{start}"
+    args = argv(bench_command(arm), workload, 0, url=state.proxy.url, model=arm.topology.model,
+                served_model_name=state.model_name, result_dir=runs_dir,
+                result_name=f"{name}.json", warmup=count)
+    progress.line(f"  {arm.name}: warm-up, {count} requests (not counted)")
+    log_path = runs_dir / f"{name}.log"
+    code = _run_bench(args, log_path, _env(arm, state), lambda: None)
+    if code != 0:
+        raise BenchError(f"`vllm bench serve` against `{arm.name}` exited with code {code} "
+                         "in the warm-up; "
+                         f"last lines of {log_path}:\n{_tail(log_path)}")
 
 
 def _estimate(workload: Workload, index: int, earlier: Sequence[ArmRun]) -> float | None:
-    """What the point took on an earlier arm, else num_prompts / rate (None: unknown)."""
-    for run in reversed(earlier):
-        if index < len(run.points):
-            return run.points[index].elapsed_s
+    """What the point took last (any arm, any round), else num_prompts / rate (None:
+    unknown)."""
+    done = [p for run in earlier for p in run.points if p.index == index]
+    if done:
+        return sorted(done, key=lambda p: p.seq)[-1].elapsed_s
     rate = workload.points[index].request_rate
     return None if math.isinf(rate) else workload.num_prompts / rate
 
 
 def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_dir: Path,
-               datasets: Mapping[int, Path], ns_dir: Path | None, progress: Progress,
-               earlier: Sequence[ArmRun]) -> PointRun:
+               datasets: Mapping[tuple[int, int], Path], ns_dir: Path | None,
+               progress: Progress, earlier: Sequence[ArmRun], round_: int = 0) -> PointRun:
     point = workload.points[index]
     runs_dir = work_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    name = f"{arm.name}-{index}"
+    name = f"{arm.name}-{index}" + (f"-r{round_ + 1}" if round_ else "")
     result_path = runs_dir / f"{name}.json"
     result_path.unlink(missing_ok=True)
     args = argv(bench_command(arm), workload, index, url=state.proxy.url,
                 model=arm.topology.model, served_model_name=state.model_name,
-                result_dir=runs_dir, result_name=result_path.name, dataset=datasets.get(index))
+                result_dir=runs_dir, result_name=result_path.name,
+                dataset=datasets.get((round_, index)), round_=round_)
     estimate = _estimate(workload, index, earlier)
-    what = f"  {arm.name}: load point {index + 1}/{len(workload.points)} ({point.label})"
+    what = (f"  {arm.name}: load point {index + 1}/{len(workload.points)} ({point.label})"
+            + (f", round {round_ + 1}" if round_ else ""))
     progress.line(f"{what}, {workload.num_prompts} requests")
     proxy_before = proxy_counters(state)
     store_before = _store(ns_dir)
@@ -164,11 +258,15 @@ def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_d
         raise BenchError(f"`vllm bench serve` against `{arm.name}` exited with code {code}; "
                          f"last lines of {log_path}:\n{_tail(log_path)}")
     figures = parse_result(result_path)
+    try:
+        samples: Round | None = parse_round(json.loads(result_path.read_text()), workload.slo)
+    except (BenchError, ValueError):
+        samples = None
     store = None if ns_dir is None else _store_delta(store_before, ns_dir)
     proxy = proxy_delta(proxy_before, proxy_counters(state))
     progress.line(f"{what}: done in {_clock(elapsed)}, {figures['completed']} completed, "
                   f"{figures['failed']} failed")
-    return PointRun(index, args, figures, proxy, store, elapsed)
+    return PointRun(index, args, figures, proxy, store, elapsed, round_, samples)
 
 
 def _clock(seconds: float | None) -> str:
@@ -227,99 +325,3 @@ def _tail(path: Path) -> str:
     except OSError:
         return "  (no log)"
     return "\n".join(f"  {line}" for line in lines[-LOG_TAIL_LINES:])
-
-
-def proxy_counters(state: RunState) -> dict[str, float] | None:
-    """The proxy's /metrics counters bench reports (None: it has no /metrics)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        reply = httpx.get(f"{state.proxy.url}/metrics", headers=_headers(state), timeout=10.0)
-        if reply.status_code != 200:
-            return None
-        families = list(text_string_to_metric_families(reply.text))
-    except (httpx.HTTPError, ValueError):
-        return None
-    counts: dict[str, float] = dict.fromkeys(
-        ("encode_sum", "encode_count", "fallbacks", "retries", "requests_ok", "requests_failed"),
-        0.0)
-    for family in families:
-        for sample in family.samples:
-            labels = sample.labels
-            if sample.name.startswith("epdctl_proxy_stage_seconds_") and \
-                    labels.get("stage") == "encode" and sample.name.endswith(("_sum", "_count")):
-                counts[f"encode_{sample.name.rsplit('_', 1)[1]}"] += sample.value
-            elif sample.name == "epdctl_proxy_fallbacks_total":
-                counts["fallbacks"] += sample.value
-            elif sample.name == "epdctl_proxy_retries_total":
-                counts["retries"] += sample.value
-            elif sample.name == "epdctl_proxy_requests_total":
-                counts["requests_ok" if labels.get("outcome") == "ok" else "requests_failed"] \
-                    += sample.value
-    return counts
-
-
-def proxy_delta(before: dict[str, float] | None, after: dict[str, float] | None
-                ) -> dict[str, float | None]:
-    """Encode-stage mean time, fallbacks, retries and outcomes while one point ran."""
-    keys = ("fallbacks", "retries", "requests_ok", "requests_failed")
-    if before is None or after is None:
-        return {"encode_mean_ms": None, **dict.fromkeys(keys)}
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0)
-             for k in (*keys, "encode_sum", "encode_count")}
-    count = delta.pop("encode_count")
-    total = delta.pop("encode_sum")
-    mean = round(total / count * 1000.0, 3) if count else None
-    return {"encode_mean_ms": mean, **{k: int(v) for k, v in delta.items()}}
-
-
-def _store(ns_dir: Path | None) -> tuple[Counter[str], Counter[str]] | None:
-    """The store's counters once they stop changing (engines flush them each second)."""
-    from epdctl.cache.stats import read_stats
-
-    if ns_dir is None:
-        return None
-    deadline = time.monotonic() + STATS_WAIT_S
-    now = read_stats(ns_dir)
-    while time.monotonic() < deadline:
-        time.sleep(STATS_SETTLE_S)
-        again = read_stats(ns_dir)
-        if again == now:
-            break
-        now = again
-    return now
-
-
-def _store_delta(before: tuple[Counter[str], Counter[str]] | None,
-                 ns_dir: Path) -> dict[str, int]:
-    """Store counters while one point ran: saves (E), hits and misses (P/PD lookups), the
-    distinct images loaded, and hits on an image already hit during the point."""
-    now = _store(ns_dir)
-    assert before is not None and now is not None
-    counts = now[0] - before[0]
-    keys = len(now[1] - before[1])  # per-key counts: lookups and loads of each image
-    hits = int(counts["hits"])
-    return {"saves": int(counts["saves"]), "hits": hits, "misses": int(counts["misses"]),
-            "keys_hit": keys, "repeat_hits": max(hits - keys, 0),
-            "load_failures": int(counts["load_failures"])}
-
-
-def device_names(arms: Sequence[Arm]) -> list[str]:
-    """NVML names of the GPUs (cuda), else the CPU's model name."""
-    if arms and arms[0].topology.device == "cuda":
-        from epdctl.gpus import gpu_names
-
-        try:
-            return gpu_names()
-        except EpdctlError:
-            return []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return [f"{line.partition(':')[2].strip()} ({os.cpu_count()} CPUs)"]
-    except OSError:
-        pass
-    import platform
-
-    return [platform.processor() or platform.machine()]

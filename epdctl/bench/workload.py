@@ -12,7 +12,7 @@ import struct
 import sys
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +86,15 @@ class Workload:
             return "dataset"
         return "generated" if self.repeat > 0 else "random-mm"
 
-    def seed_at(self, index: int) -> int:
-        """Each load point its own requests, or later points would meet earlier points'
-        prefix and encoder caches; every arm gets the same ones."""
-        return self.seed + index
+    def seed_at(self, index: int, round_: int = 0) -> int:
+        """Each load point (and each round of it) its own requests, or later points would
+        meet earlier points' prefix and encoder caches; every arm gets the same ones."""
+        return self.seed + round_ * len(self.points) + index
+
+    def warmup_seed(self) -> int:
+        """The warm-up's requests: none of any round's (up to a million rounds); vLLM takes
+        seeds from 0 to 2**32 - 1."""
+        return (self.seed + 1_000_000 * len(self.points)) % 2**32
 
     def as_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "num_prompts": self.num_prompts, "seed": self.seed,
@@ -212,21 +217,27 @@ def bench_command(arm: Arm, environ: dict[str, str] | None = None) -> list[str]:
 
 def argv(command: Sequence[str], workload: Workload, index: int, *, url: str, model: str,
          served_model_name: str, result_dir: Path, result_name: str,
-         dataset: Path | None = None) -> list[str]:
-    """The `vllm bench serve` command line of load point `index` against one arm."""
+         dataset: Path | None = None, round_: int = 0, warmup: int = 0) -> list[str]:
+    """The `vllm bench serve` command line of load point `index` (round `round_`) against one
+    arm; `warmup` > 0: that many warm-up requests at the point's load, seeds of their own."""
     point = workload.points[index]
     rate = "inf" if math.isinf(point.request_rate) else f"{point.request_rate:g}"
+    count, seed = (warmup, workload.warmup_seed()) if warmup else (
+        workload.num_prompts, workload.seed_at(index, round_))
     args = [*command, "--backend", "openai-chat", "--base-url", url,
             "--endpoint", "/v1/chat/completions", "--model", model,
             "--served-model-name", served_model_name,
-            "--num-prompts", str(workload.num_prompts), "--seed", str(workload.seed_at(index)),
-            "--request-rate", rate]
+            "--num-prompts", str(count), "--seed", str(seed), "--request-rate", rate]
     if point.max_concurrency is not None:
         args += ["--max-concurrency", str(point.max_concurrency)]
-    args += _dataset_args(workload, dataset)
+    if warmup and workload.kind == "generated":  # random images of the same size instead
+        args += _dataset_args(replace(workload, repeat=0.0), None)
+    else:
+        args += _dataset_args(workload, dataset)
     args += ["--ignore-eos", "--temperature", "0",
              "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
-             "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name,
+             "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+             "--result-filename", result_name,
              "--disable-tqdm"]
     if workload.slo:
         args += ["--goodput", *(f"{k}:{v:g}" for k, v in workload.slo)]
@@ -296,10 +307,13 @@ def png(width: int, height: int, seed: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(bytes(rows), 1)) + chunk(b"IEND", b""))
 
 
-def write_dataset(workload: Workload, index: int, path: Path) -> dict[str, int]:
-    """The `--repeat` dataset of load point `index` (vLLM's custom_image JSON lines): each
-    image item is new or, for a `repeat` fraction of them, an earlier request's image."""
-    rng = random.Random(workload.seed_at(index))
+def write_dataset(workload: Workload, index: int, path: Path, round_: int = 0
+                  ) -> dict[str, int]:
+    """The `--repeat` dataset of load point `index` in round `round_` (vLLM's custom_image
+    JSON lines): each image item is new or, for a `repeat` fraction of them, an earlier
+    request's image."""
+    seed = workload.seed_at(index, round_)
+    rng = random.Random(seed)
     width, height = workload.image_size
     total = workload.num_prompts * workload.images
     wanted = min(round(workload.repeat * total), max(total - 1, 0))
@@ -315,7 +329,7 @@ def write_dataset(workload: Workload, index: int, path: Path) -> dict[str, int]:
                 urls.append(rng.choice(earlier))
                 repeated += 1
                 continue
-            data = png(width, height, workload.seed_at(index) * 1_000_003 + len(pool))
+            data = png(width, height, seed * 1_000_003 + len(pool))
             pool.append("data:image/png;base64," + base64.b64encode(data).decode())
             urls.append(pool[-1])
         words = " ".join(rng.choice(WORDS) for _ in range(workload.input_len))

@@ -79,7 +79,9 @@ def results_table(doc: Mapping[str, Any], width: int = 80) -> str:
 
     rows = table_rows(doc)
     table = Table(box=None, pad_edge=False, title_justify="left",
-                  caption=f"ms / per second; x ref = over `{doc.get('reference') or '-'}`",
+                  caption="ms / per second; ± half the 95 % interval; n<N: a percentile "
+                  "that needs N requests; x ref = over "
+                  f"`{doc.get('reference') or 'the earlier run'}`",
                   caption_justify="left")
     for i, header in enumerate(rows[0]):
         table.add_column(header, justify="left" if i < 2 else "right", no_wrap=True)
@@ -91,6 +93,19 @@ def results_table(doc: Mapping[str, Any], width: int = 80) -> str:
     with console.capture() as capture:
         console.print(table)
     return capture.get().rstrip("\n")
+
+
+def print_results(app: App, doc: Mapping[str, Any]) -> None:
+    """The table, how the arms took turns, and one verdict per load point and arm."""
+    from epdctl.bench.report import order_line
+
+    app.out.print(results_table(doc, app.out.width), markup=False)
+    if doc.get("order"):
+        app.out.print(order_line(doc), markup=False)
+    for note in doc.get("notes") or []:
+        app.out.print(f"note: {note}", markup=False)
+    for v in doc["verdicts"]:
+        app.out.print(f"{v['load']}: {v['text']}", markup=False)
 
 
 def dry_run(app: App, arms: Sequence[Arm], workload: Workload, as_json: bool) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from epdctl.cli._app import App, pass_app
+from epdctl.cli.bench_compare import BenchCommand
 from epdctl.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
     return arms
 
 
-@click.command()
+@click.command(cls=BenchCommand, epilog="`epdctl bench compare A/report.json B/report.json`: "
+               "the same table and verdicts for two saved runs (see its --help).")
 @click.argument("topology_path", metavar="TOPOLOGY", type=click.Path(path_type=Path))
 @click.option("--baseline", type=click.Choice(["aggregated", "tp", "none"]),
               default="aggregated", show_default=True,
@@ -97,6 +99,13 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
               help="Its `vllm bench serve --dataset-name`.")
 @click.option("--slo", metavar="ttft=MS,tpot=MS",
               help="Goodput SLO: requests within it count (vLLM's --goodput).")
+@click.option("--rounds", type=click.IntRange(1), metavar="R",
+              help="Runs of every load point per arm, arms in alternating order (A B, B A, "
+              "...); default 2 on cuda, 1 on cpu.")
+@click.option("--warmup", type=click.IntRange(0), default=3, show_default=True, metavar="N",
+              help="Requests sent after each arm starts, at the first load, not counted.")
+@click.option("--until-significant", "max_rounds", type=click.IntRange(1), metavar="MAX",
+              help="Add rounds, up to MAX in all, until every verdict is decided.")
 @click.option("--json", "as_json", is_flag=True, help="The whole report as JSON on stdout.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write report.json, report.md and plot.png (and the raw results) here.")
@@ -106,15 +115,16 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
               show_default=True, help="Seconds each arm gets to become ready.")
 @pass_app
 def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
-          as_json: bool, out_dir: Path | None, is_dry_run: bool, timeout_s: float,
-          **opts: Any) -> None:
+          rounds: int | None, warmup: int, max_rounds: int | None, as_json: bool,
+          out_dir: Path | None, is_dry_run: bool, timeout_s: float, **opts: Any) -> None:
     """Compare the topology with aggregated serving on the same devices, under one workload"""
     from epdctl import __version__
     from epdctl.bench import report
     from epdctl.bench.arms import image_limit
-    from epdctl.bench.runner import device_names, greedy_prompts, run_arms
+    from epdctl.bench.counters import device_names
+    from epdctl.bench.runner import Plan, greedy_prompts, run_arms
     from epdctl.bench.workload import check
-    from epdctl.cli._bench_render import BenchProgress, dry_run, results_table, write_out
+    from epdctl.cli._bench_render import BenchProgress, dry_run, print_results, write_out
     from epdctl.errors import BenchError
     from epdctl.run import vllm_version
 
@@ -127,9 +137,16 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     prompts = greedy_prompts(min(limits) if limits else None)
     work_dir = (out_dir or app.state_root / "bench" / arms[0].topology.name).absolute()
     progress = BenchProgress(app)
+    count = rounds or (2 if arms[0].topology.device == "cuda" else 1)
+    plan = Plan(count, warmup, max(max_rounds, count) if max_rounds else None)
+
+    def undecided(runs: Any) -> bool:
+        doc = report.build(runs, workload, prompts)
+        return any(not v["decided"] for v in doc["verdicts"])
+
     try:
         runs = run_arms(arms, workload, app.state_root, work_dir, timeout_s=timeout_s,
-                        progress=progress, prompts=prompts)
+                        progress=progress, prompts=prompts, plan=plan, undecided=undecided)
     except KeyboardInterrupt:
         progress.close()
         app.err.print("Interrupted; every arm is down.", markup=False)
@@ -138,15 +155,14 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
         progress.close()
     doc = report.build(runs, workload, prompts, epdctl_version=__version__,
                        vllm_version=vllm_version(), devices=device_names(arms),
-                       command=["epdctl", *sys.argv[1:]], work_dir=str(work_dir))
+                       command=["epdctl", *sys.argv[1:]], work_dir=str(work_dir),
+                       plan={"rounds": count, "warmup": warmup, "until_significant": max_rounds})
     if out_dir is not None:
         write_out(app, doc, out_dir)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
-        app.out.print(results_table(doc, app.out.width), markup=False)
-        for v in doc["verdicts"]:
-            app.out.print(f"{v['load']}: {v['text']}", markup=False)
+        print_results(app, doc)
     if doc["failed_requests"]:
         app.err.print(f"warning: {doc['failed_requests']} request(s) failed; see the "
                       f"`vllm bench serve` logs under {work_dir / 'runs'}", markup=False)

@@ -73,7 +73,8 @@ def test_argv_random_mm(tmp_path: Path) -> None:
     assert "--dataset-name random-mm" in text
     assert "--random-mm-base-items-per-request 2" in text
     assert args[args.index("--random-mm-bucket-config") + 1] == "{(480, 640, 1): 1.0}"
-    assert f"--save-result --result-dir {tmp_path} --result-filename epd-1.json" in text
+    assert (f"--save-result --save-detailed --result-dir {tmp_path} "
+            "--result-filename epd-1.json") in text
     assert args[-2:] == ["--goodput", "ttft:500"]
 
 

@@ -58,13 +58,24 @@ def test_both_arms_report_every_figure(bench: Bench, fake_topology: Callable[...
         ("epd", "concurrency 1"), ("aggregated", "concurrency 1"),
         ("epd", "concurrency 2"), ("aggregated", "concurrency 2")]
     for row in doc["results"]:
-        assert row["figures"]["completed"] == 5 and row["figures"]["request_goodput"] == 1.25
-        assert None not in row["figures"].values()
+        # every fake request is within the SLO: goodput is req/s
+        assert row["figures"]["completed"] == 5 and row["figures"]["request_goodput"] == 2.5
+        assert row["figures"]["request_goodput_ci"][0] <= 2.5 <= \
+            row["figures"]["request_goodput_ci"][1]
+        # 5 requests support no TTFT percentile: shown as what they would need
+        assert row["unsupported"] == {"ttft_p50_ms": "n<20", "ttft_p90_ms": "n<100",
+                                      "ttft_p99_ms": "n<1000"}
+        shown = {k: v for k, v in row["figures"].items()
+                 if k.removesuffix("_ci") not in row["unsupported"]}
+        assert None not in shown.values(), shown
         assert "--max-concurrency" in row["argv"] and row["argv"][-2:] == ["--goodput", "ttft:100"]
+        assert "--save-detailed" in row["argv"]
     # the fake bench answers TTFT p90 = 60 + seed: both arms got the same seeds
-    assert [r["figures"]["ttft_p90_ms"] for r in doc["results"]] == [60.0, 60.0, 61.0, 61.0]
+    assert [r["rounds"][0]["figures"]["ttft_p90_ms"] for r in doc["results"]] == [
+        60.0, 60.0, 61.0, 61.0]
     assert doc["results"][0]["store"] is not None and doc["results"][1]["store"] is None
-    assert len(doc["verdicts"]) == 2 and "on par" in doc["verdicts"][0]["text"]
+    assert len(doc["verdicts"]) == 2
+    assert "no significant difference at n=5" in doc["verdicts"][0]["text"]
     assert doc["correctness"]["ok"] is True and len(doc["correctness"]["prompts"]) == 6
     assert doc["correctness"]["answers"]["aggregated"][0] == "hello from fake"
     assert doc["vllm_version"] and doc["epdctl_version"] and doc["devices"]
@@ -96,7 +107,8 @@ def test_an_arm_on_another_connector_reports_everything_but_store_figures(
         ("epd", "concurrency 2"), ("example", "concurrency 2")]
     for row in doc["results"]:
         assert row["figures"]["completed"] == 5 and row["figures"]["failed"] == 0
-        assert None not in row["figures"].values()
+        assert [k for k, v in row["figures"].items() if v is None
+                and k.removesuffix("_ci") not in row["unsupported"]] == []
         assert set(row["proxy"]) == set(doc["results"][0]["proxy"])
         if row["arm"] == "example":
             assert row["store"] is None and row["ratios"] is not None
@@ -122,7 +134,8 @@ def test_the_table_on_the_terminal(bench: Bench, fake_topology: Callable[..., Pa
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].split()[:6] == ["load", "arm", "done", "failed", "req/s", "tok/s"]
-    assert "concurrency 1: `epd` and `aggregated` are on par" in result.stdout
+    assert "concurrency 1: `epd` vs `aggregated`: no significant difference at n=5" in \
+        result.stdout
 
 
 def test_an_arm_that_dies_while_starting(bench: Bench, fake_topology: Callable[..., Path],
@@ -243,3 +256,46 @@ def test_without_matplotlib_everything_but_the_plot_is_written(
     assert "plot.png not written: matplotlib is not installed (pip install 'epdctl[bench]')" \
         in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "runs"]
+
+
+def test_two_rounds_then_compare_two_saved_runs(bench: Bench, epdctl: Callable[..., Result],
+                                                fake_topology: Callable[..., Path],
+                                                state_root: Path, tmp_path: Path) -> None:
+    """--rounds 2 alternates the arms (the second stays up across the round's end); two
+    saved runs compare through `bench compare`, as a table and as JSON."""
+    path = fake_topology()
+    for name in ("a", "b"):
+        result = bench(str(path), "--max-concurrency", "2", "--num-prompts", "6",
+                       "--rounds", "2", "--warmup", "2", "--out", str(tmp_path / name))
+        assert result.exit_code == 0, result.output
+    assert "round 2: aggregated epd" in result.stderr
+    assert result.stderr.count("[1/2] epd: starting") == 2
+    assert result.stderr.count("[2/2] aggregated: starting") == 1
+    assert result.stderr.count("epd: warm-up, 2 requests (not counted)") == 2
+    assert "2 round(s), arms in turn: epd aggregated | aggregated epd" in result.stdout
+    doc = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert [r["n"] for r in doc["results"]] == [12, 12]
+    assert (tmp_path / "a" / "runs" / "epd-warmup-2.json").exists()
+
+    shown = epdctl("bench", "compare", str(tmp_path / "a"), str(tmp_path / "b" / "report.json"))
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.startswith(f"A = {tmp_path / 'a'}\nB = ")
+    assert "concurrency 2: `B:epd` vs `A:epd`: no significant difference at n=12" in shown.stdout
+    assert "B:aggregated" in shown.stdout
+    as_json = epdctl("bench", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--arm", "epd",
+                     "--json")
+    assert as_json.exit_code == 0, as_json.output
+    out = json.loads(as_json.stdout)
+    assert [r["arm"] for r in out["results"]] == ["A:epd", "B:epd"]
+    assert [v["kind"] for v in out["verdicts"]] in (["undecided"], ["on_par"])
+    nothing_runs(state_root)
+
+
+def test_compare_errors_and_help(epdctl: Callable[..., Result], tmp_path: Path) -> None:
+    result = epdctl("bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: {tmp_path / 'a.json'}: not a bench report")
+    assert len(result.stderr.strip().splitlines()) == 1
+    helped = epdctl("bench", "compare", "--help")
+    assert helped.exit_code == 0 and " bench compare [OPTIONS] A B" in helped.stdout
+    assert "bench compare A/report.json B/report.json" in epdctl("bench", "--help").stdout

@@ -1,0 +1,141 @@
+"""Figures with a known error: point estimates over rounds and bootstrap intervals (pure
+Python, stdlib `random`: no numpy for a few hundred samples x 2000 resamples).
+
+Over requests (R < 3 rounds): each round's requests are resampled within that round.
+Over rounds (R >= 3): rounds are resampled, then the requests within each drawn round, so a
+drift between rounds widens the interval. A round's req/s is vLLM's; a resample's is that
+scaled by the round's mean latency over the resample's (at a fixed concurrency, throughput
+goes as 1 / latency); goodput is req/s times the resample's share of good requests.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from epdctl.bench.samples import Request, Round
+
+RESAMPLES = 2000
+LEVEL = 0.95
+MIN_TAIL = 10
+"""A percentile needs this many requests beyond it to be shown (p90: 100, p99: 1000)."""
+PERCENTILES = {"ttft_p50_ms": 50.0, "ttft_p90_ms": 90.0, "ttft_p99_ms": 99.0}
+FIGURES = ("request_throughput", "request_goodput", *PERCENTILES, "tpot_mean_ms")
+"""The figures given an interval (`<figure>_ci` in the report)."""
+OVER_ROUNDS = 3
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """numpy's default (linear) percentile of sorted values, as vLLM reports it."""
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def needs(q: float) -> int:
+    """Requests a percentile needs: MIN_TAIL of them beyond it."""
+    return math.ceil(MIN_TAIL / (1.0 - q / 100.0) - 1e-9)
+
+
+def figures(parts: Sequence[tuple[Round, Sequence[Request]]], has_slo: bool
+            ) -> dict[str, float | None]:
+    """The figures of rounds with (re)sampled requests: req/s and goodput the mean over
+    rounds, latencies pooled. None: no request to take it from."""
+    rates, goodputs, ttfts, tpots = [], [], [], []
+    for round_, drawn in parts:
+        if not drawn:
+            continue
+        mean = sum(r.latency_ms for r in drawn) / len(drawn)
+        rate = round_.request_throughput * (round_.mean_latency_ms / mean if mean else 1.0)
+        rates.append(rate)
+        goodputs.append(rate * sum(r.good for r in drawn) / len(drawn))
+        ttfts += [r.ttft_ms for r in drawn]
+        tpots += [r.tpot_ms for r in drawn if r.tpot_ms is not None]
+    out: dict[str, float | None] = dict.fromkeys(FIGURES)
+    if rates:
+        out["request_throughput"] = sum(rates) / len(rates)
+        out["request_goodput"] = sum(goodputs) / len(goodputs) if has_slo else None
+        ttfts.sort()
+        for name, q in PERCENTILES.items():
+            out[name] = percentile(ttfts, q)
+    out["tpot_mean_ms"] = sum(tpots) / len(tpots) if tpots else None
+    return out
+
+
+def resample(rounds: Sequence[Round], rng: random.Random, has_slo: bool
+             ) -> dict[str, float | None]:
+    """One bootstrap replicate (over rounds too where there are OVER_ROUNDS or more)."""
+    chosen = [rng.choice(rounds) for _ in rounds] if len(rounds) >= OVER_ROUNDS else rounds
+    return figures([(r, rng.choices(r.requests, k=len(r.requests)) if r.requests else ())
+                    for r in chosen], has_slo)
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (Cornish-Fisher from the normal; close enough from df 3 up)."""
+    z = statistics.NormalDist().inv_cdf(p)
+    if df <= 0:
+        return z
+    g1 = (z ** 3 + z) / 4
+    g2 = (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
+    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
+    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3
+
+
+def expanded(level: float, n: int) -> float:
+    """The level to take a percentile interval at so that it covers `level` on n samples
+    (Hesterberg's expanded percentile interval: the bootstrap is too narrow on small n)."""
+    if n < 2:
+        return level
+    z = math.sqrt(n / (n - 1)) * t_quantile(1.0 - (1.0 - level) / 2.0, n - 1)
+    return 2.0 * statistics.NormalDist().cdf(z) - 1.0
+
+
+def interval(values: Sequence[float], level: float = LEVEL, n: int = 0) -> tuple[float, float]:
+    """The percentile interval of bootstrap replicates (expanded for n samples)."""
+    ordered = sorted(values)
+    tail = (1.0 - expanded(level, n)) / 2.0 * 100.0
+    return percentile(ordered, tail), percentile(ordered, 100.0 - tail)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One arm at one load point: estimates, 95 % intervals, and what cannot be shown."""
+
+    n: int
+    """Completed requests over every round."""
+    estimate: dict[str, float | None]
+    ci: dict[str, tuple[float, float] | None]
+    unsupported: dict[str, str]
+    """Figure -> why no number: `n<100` (a percentile the sample cannot support), `n/a`."""
+    replicates: dict[str, list[float]]
+    """Figure -> its bootstrap replicates (for ratios; not saved)."""
+
+
+def summarize(rounds: Sequence[Round], has_slo: bool, seed: int,
+              resamples: int = RESAMPLES) -> Summary:
+    """Estimates and intervals of FIGURES over the rounds, reproducible for a given seed."""
+    n = sum(len(r.requests) for r in rounds)
+    estimate = figures([(r, r.requests) for r in rounds], has_slo)
+    unsupported = {name: f"n<{needs(q)}" for name, q in PERCENTILES.items() if n < needs(q)}
+    if estimate["tpot_mean_ms"] is None and n:
+        unsupported["tpot_mean_ms"] = "n/a"
+    if not has_slo:
+        unsupported["request_goodput"] = "-"
+    # The expansion's sample size: the fewest requests one round resamples from.
+    unit = min((len(r.requests) for r in rounds), default=0)
+    rng = random.Random(seed)
+    draws = [resample(rounds, rng, has_slo) for _ in range(resamples)] if n else []
+    replicates: dict[str, list[float]] = {}
+    ci: dict[str, tuple[float, float] | None] = {}
+    for name in FIGURES:
+        values = [v for d in draws if (v := d[name]) is not None]
+        shown = name not in unsupported and estimate[name] is not None and values
+        replicates[name] = values if shown else []
+        ci[name] = interval(values, LEVEL, unit) if shown else None
+        if not shown:
+            estimate[name] = None
+    return Summary(n, estimate, ci, unsupported, replicates)
