@@ -77,14 +77,14 @@ class Decision:
 
 def next_step(predicted: Sequence[tuple[str, float]], measured: Mapping[str, Measured], *,
               must: Sequence[str] = (), elapsed_s: float, budget_s: float,
-              cost_s: float, max_confirm: int = 4) -> Decision:
+              cost_s: float, max_confirm: int = 4, min_confirm: int = 2) -> Decision:
     """Whom to confirm next, or why to stop.
 
     `predicted` is (name, predicted goodput), best first. The candidates in `must` (the
     aggregated one) are confirmed first. Stops when the next run would not fit in the
-    budget; when `max_confirm` have run; or when no unconfirmed candidate could beat the
-    best measured one even if the model underrates it as much as it underrated any
-    confirmed candidate.
+    budget; when `max_confirm` have run; or, once `min_confirm` have run, when no
+    unconfirmed candidate could beat the best measured one even if the model underrates it
+    as much as it underrated any confirmed candidate.
     """
     pending = [n for n in must if n not in measured] + [
         n for n, _ in predicted if n not in measured and n not in must]
@@ -95,7 +95,7 @@ def next_step(predicted: Sequence[tuple[str, float]], measured: Mapping[str, Mea
                         f"a run takes ~{cost_s:.0f} s)", left_out=tuple(pending))
     if len(measured) >= max_confirm and not set(must) - set(measured):
         return Decision(True, f"{len(measured)} candidates confirmed", left_out=tuple(pending))
-    if pending[0] in must or not measured:
+    if pending[0] in must or len(measured) < min_confirm:
         return Decision(False, "confirm next", pending[0])
     guess = dict(predicted)
     ratios = [m.goodput / guess[n] for n, m in measured.items() if guess.get(n)]

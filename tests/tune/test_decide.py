@@ -61,3 +61,10 @@ def test_stops_after_max_confirm() -> None:
     step = next_step(PRED, measured, must=["agg"], elapsed_s=0, budget_s=100, cost_s=1,
                      max_confirm=2)
     assert step.stop and step.left_out == ("y", "z")
+
+
+def test_confirms_at_least_two() -> None:
+    # agg measured far above every prediction: still one more is confirmed
+    step = next_step(PRED, {"agg": Measured("agg", 50.0)}, must=["agg"], elapsed_s=0,
+                     budget_s=100, cost_s=1)
+    assert (step.stop, step.next) == (False, "x")

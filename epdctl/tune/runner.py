@@ -1,0 +1,173 @@
+"""The tune loop: candidates, profiles (kept in --out, reused), predictions, confirmation
+runs until the stop rule says so, and the result. Profiling and confirming are passed in,
+so the loop is tested without servers; epdctl.tune.live gives the real ones."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from epdctl.bench.workload import Workload
+from epdctl.topology import Topology
+from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
+from epdctl.tune.decide import Measured, is_better, next_step
+from epdctl.tune.des import StepCost
+from epdctl.tune.facts import ModelFacts
+from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
+from epdctl.tune.probes import Measurements, probe_shapes
+
+PROFILES = "profiles.json"
+
+
+class Progress(Protocol):
+    def line(self, text: str) -> None: ...
+
+
+Profiler = Callable[[Shape, Topology], Measurements]
+"""Bring a probe topology up, profile it, take it down."""
+Confirmer = Callable[[Candidate, float], Measured]
+"""Run bench on a candidate around a predicted knee (req/s); its measured goodput."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    base: Topology
+    gpus: tuple[int, ...]
+    workload: Workload
+    slo: Slo
+    facts: ModelFacts
+    gpu_memory: int | None
+    out_dir: Path
+    budget_s: float = 45 * 60.0
+    max_confirm: int = 4
+    sim_requests: int = 300
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    prediction: Prediction | None = None
+    measured: Measured | None = None
+    missing: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        p, m = self.prediction, self.measured
+        error = (round(p.goodput / m.goodput - 1, 3) if p and m and m.goodput else None)
+        return {"name": self.candidate.name, "shape": self.candidate.shape.label,
+                "kind": self.candidate.shape.kind, "gpus": self.candidate.shape.gpus,
+                "predicted_goodput": p.goodput if p else None,
+                "ttft_ms": p.ttft_ms if p else None, "tpot_ms": p.tpot_ms if p else None,
+                "utilization": p.utilization if p else None,
+                "bottleneck": p.bottleneck if p else None,
+                "measured_goodput": m.goodput if m else None,
+                "measured_interval": [m.low, m.high] if m and m.low is not None else None,
+                "prediction_error": error, "not_profiled": self.missing}
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Profiler,
+                    progress: Progress, base_placed: Callable[[Shape], Topology]) -> Profile:
+    """Profile every probe shape not already in --out's profiles.json; merge into one."""
+    path = settings.out_dir / PROFILES
+    store = _load(path)
+    for shape in probe_shapes([c.shape for c in cands], len(settings.gpus)):
+        if shape.label in store:
+            progress.line(f"profile {shape.label}: kept from {path}")
+            continue
+        progress.line(f"profile {shape.label}: starting")
+        got = profiler(shape, base_placed(shape))
+        store[shape.label] = {"stages": {k: asdict(v) for k, v in got.stages.items()},
+                              "series": got.series, "kv_ms": got.kv_ms}
+        settings.out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(store, indent=2))
+    stages: dict[str, StepCost] = {}
+    kv: list[float] = []
+    for entry in store.values():
+        for key, cost in entry.get("stages", {}).items():
+            stages.setdefault(key, StepCost(**cost))
+        if entry.get("kv_ms") is not None:
+            kv.append(float(entry["kv_ms"]))
+    return Profile(stages, kv_fixed_ms=sum(kv) / len(kv) if kv else 0.0)
+
+
+def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress: Progress,
+         clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """The whole method; returns the report (the caller writes it)."""
+    started = clock()
+    w = settings.workload
+    tokens = request_tokens(settings.facts, w.images, w.image_size, w.input_len, w.output_len)
+    limits = limits_for(settings.base, settings.facts, settings.gpu_memory, tokens)
+    kept, left_out = candidates(settings.base, settings.gpus, settings.facts, limits)
+    progress.line(f"{len(kept)} candidates on {len(settings.gpus)} device(s); "
+                  f"{len(left_out)} left out (memory)")
+
+    def placed(shape: Shape) -> Topology:
+        from epdctl.tune.candidates import place
+
+        return place(settings.base, shape, settings.gpus[: shape.gpus], limits)
+
+    profile = gather_profiles(kept, settings, profiler, progress, placed)
+    req = RequestShape(w.images, tokens - w.output_len, w.output_len)
+    rows = [Row(c) for c in kept]
+    for row in rows:
+        row.missing = profile.missing(row.candidate.shape)
+        if not row.missing:
+            row.prediction = predict(row.candidate.shape, profile, req, settings.slo,
+                                     requests=settings.sim_requests)
+    ranked = sorted((r for r in rows if r.prediction), key=lambda r: -r.prediction.goodput
+                    if r.prediction else 0.0)
+    progress.line(f"predicted {len(ranked)}; best {ranked[0].candidate.name} "
+                  f"{ranked[0].prediction.goodput:.3g} req/s" if ranked and ranked[0].prediction
+                  else "nothing could be predicted")
+    by_name = {r.candidate.name: r for r in rows}
+    aggregated = [r.candidate.name for r in ranked if r.candidate.shape.kind == "aggregated"]
+    must = aggregated[:1]
+    measured: dict[str, Measured] = {}
+    cost_s = 0.0
+    while True:
+        decision = next_step([(r.candidate.name, r.prediction.goodput) for r in ranked
+                              if r.prediction], measured, must=must,
+                             elapsed_s=clock() - started, budget_s=settings.budget_s,
+                             cost_s=cost_s, max_confirm=settings.max_confirm)
+        if decision.stop or decision.next is None:
+            break
+        row = by_name[decision.next]
+        assert row.prediction is not None
+        progress.line(f"confirm {row.candidate.name} ({row.candidate.shape.label}) near "
+                      f"{row.prediction.goodput:.3g} req/s")
+        t0 = clock()
+        row.measured = measured[row.candidate.name] = confirmer(row.candidate,
+                                                                row.prediction.goodput)
+        cost_s = max(cost_s, clock() - t0)
+        progress.line(f"  measured {row.measured.goodput:.3g} req/s")
+    best = _best(list(measured.values()))
+    return {
+        "candidates": [r.as_json() for r in ranked] + [r.as_json() for r in rows
+                                                       if not r.prediction],
+        "left_out": [{"shape": s.label, "reason": why} for s, why in left_out],
+        "stop_reason": decision.reason, "not_confirmed": list(decision.left_out),
+        "best": best.name if best else None,
+        "best_goodput": best.goodput if best else None,
+        "elapsed_s": round(clock() - started, 1),
+        "profile": {k: asdict(v) for k, v in profile.stages.items()},
+    }
+
+
+def _best(measured: Sequence[Measured]) -> Measured | None:
+    """The best measured: one that nothing measured is decided to beat, highest goodput."""
+    best: Measured | None = None
+    for m in sorted(measured, key=lambda m: -m.goodput):
+        if best is None or is_better(m, best):
+            best = m
+    return best
