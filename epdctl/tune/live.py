@@ -82,10 +82,15 @@ class LiveConfirmer:
         self.timeout_s, self.progress = timeout_s, progress
 
     def __call__(self, candidate: Candidate, predicted: float) -> Measured:
+        """Bench near the predicted knee: KNEE_FACTORS times it."""
+        return self.measure(candidate, [round(max(predicted, 0.05) * f, 4)
+                                        for f in KNEE_FACTORS])
+
+    def measure(self, candidate: Candidate, rates: Sequence[float]) -> Measured:
+        """Bench the candidate at these Poisson rates (one start); its measured knee."""
         from epdctl.bench.arms import Arm, image_limit
         from epdctl.bench.runner import greedy_prompts, run_arm
 
-        rates = [round(max(predicted, 0.05) * f, 4) for f in KNEE_FACTORS]
         workload = replace(self.workload, points=tuple(LoadPoint(r) for r in rates))
         path = write_topology(candidate.topology,
                               self.out_dir / "candidates" / f"{candidate.name}.yaml")
