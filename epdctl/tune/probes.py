@@ -21,10 +21,12 @@ from epdctl.tune.profile import (
     LEVELS,
     Send,
     Timing,
+    closed_loop,
     combine,
     profile_decode,
     profile_encode,
     profile_prefill,
+    slowdown,
 )
 
 CHAT = "/v1/chat/completions"
@@ -150,6 +152,8 @@ class Measurements:
     series: dict[str, Any] = field(default_factory=dict)
     kv_ms: float | None = None
     """D's time to its first token beyond a decode step, at the workload's prompt."""
+    sharing_slowdown: float | None = None
+    """How much longer PD's decode steps get while E on its GPU is kept busy."""
 
 
 async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens: int,
@@ -185,6 +189,12 @@ async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies
             pre_send, spec.url, lambda n: bodies.chat(10_000 + n, DECODE_TOKENS, True), levels)
         out.stages[key] = combine(prefill, decode, _max_seqs(spec))
         out.series[key] = {"prefill": s1.as_json(), "decode": s2.as_json()}
+        if shape.shared and not encodes:
+            alone = s2.values[-1]
+            loaded = await _beside_busy_encoder(
+                send, specs["encode"].url, bodies, pre_send, spec.url, s2.levels[-1])
+            out.sharing_slowdown = slowdown(alone, loaded)
+            out.series["sharing"] = {"alone_ms": alone * 1000, "loaded_ms": loaded * 1000}
     if "prefill" in specs and "decode" in specs:
         p, d = specs["prefill"], specs["decode"]
         p_send = _after_encoder(http, specs["encode"].url, bodies) if "encode" in specs \
@@ -200,6 +210,31 @@ async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies
         one = await d_send(d.url, bodies.chat(30_000, DECODE_TOKENS, True))
         step = (decode.fixed_ms + decode.per_seq_ms) / 1000
         out.kv_ms = max((one.first - one.start - step) * 1000, 0.0)
+
+
+async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, pd_send: Send,
+                               pd_url: str, level: int) -> float:
+    """PD's time per output token at `level` in flight while E is kept busy."""
+    import asyncio
+
+    stop = asyncio.Event()
+
+    async def keep_busy(w: int) -> None:
+        n = 0
+        while not stop.is_set():
+            await send(e_url, bodies.encoder(50_000 + w * 1000 + n))
+            n += 1
+
+    busy = [asyncio.create_task(keep_busy(w)) for w in range(LEVELS[-1])]
+    try:
+        timings = await closed_loop(pd_send, pd_url,
+                                    lambda n: bodies.chat(40_000 + n, DECODE_TOKENS, True),
+                                    level)
+    finally:
+        stop.set()
+        await asyncio.gather(*busy, return_exceptions=True)
+    values = [t.tpot for t in timings if t.tpot is not None]
+    return sum(values) / len(values) if values else 0.0
 
 
 def replace_seqs(cost: StepCost, max_seqs: int | None) -> StepCost:

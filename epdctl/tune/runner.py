@@ -88,17 +88,21 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
         progress.line(f"profile {shape.label}: starting")
         got = profiler(shape, base_placed(shape))
         store[shape.label] = {"stages": {k: asdict(v) for k, v in got.stages.items()},
-                              "series": got.series, "kv_ms": got.kv_ms}
+                              "series": got.series, "kv_ms": got.kv_ms,
+                              "sharing_slowdown": got.sharing_slowdown}
         settings.out_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(store, indent=2))
     stages: dict[str, StepCost] = {}
     kv: list[float] = []
+    sharing = [float(e["sharing_slowdown"]) for e in store.values()
+               if e.get("sharing_slowdown") is not None]
     for entry in store.values():
         for key, cost in entry.get("stages", {}).items():
             stages.setdefault(key, StepCost(**cost))
         if entry.get("kv_ms") is not None:
             kv.append(float(entry["kv_ms"]))
-    return Profile(stages, kv_fixed_ms=sum(kv) / len(kv) if kv else 0.0)
+    return Profile(stages, kv_fixed_ms=sum(kv) / len(kv) if kv else 0.0,
+                   sharing_slowdown=max(sharing, default=0.0))
 
 
 def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress: Progress,

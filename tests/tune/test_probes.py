@@ -68,3 +68,29 @@ def test_profile_an_epd_probe_on_fake_gpus(tmp_path: Path, monkeypatch: pytest.M
     assert got.stages["decode-tp1"].fixed_ms > 0
     assert got.kv_ms is not None and got.kv_ms >= 0
     assert got.series["decode"]["levels"] == [1, 2, 4]
+
+
+def test_sharing_slowdown_is_profiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from epdctl.run import prepare, start_detached, stop
+
+    monkeypatch.setenv("EPDCTL_FAKE_GPUS", "1")
+    monkeypatch.delenv("EPDCTL_PROXY_COMMAND", raising=False)
+    data = _base(tmp_path)
+    cost = Path(data["engine"]["command"][-1])
+    # a busy neighbour triples a step: far above what a loaded test machine adds
+    cost.write_text(cost.read_text() + "sharing: {slowdown: 2.0}\n"
+                    "encode: {fixed_ms: 10, per_image_ms: 10}\n")
+    base = parse_topology(data)
+    shape = Shape("e-pd", 1, True, pd=Pool(1, 1))
+    topology = place(base, shape, [0], Limits(24 * GIB, 2048))
+    run = prepare(tmp_path / "shared.yaml", tmp_path / "state", topology=topology)
+    state = start_detached(run, 60.0)
+    try:
+        workload = Workload(points=(LoadPoint(),), images=1, image_size=(64, 64),
+                            input_len=16, output_len=8)
+        got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
+                                          levels=(1, 4)))
+    finally:
+        stop(run.sdir, run.sdir.read())
+    assert set(got.stages) == {"encode", "pd-tp1"}
+    assert got.sharing_slowdown is not None and got.sharing_slowdown > 0.5
