@@ -122,8 +122,11 @@ async def profile_prefill(send: Send, url: str, body: Body, tokens: int,
 async def profile_decode(send: Send, url: str, body: Body,
                          levels: Sequence[int] = LEVELS) -> tuple[StepCost, Series]:
     """A streamed request's time per output token: fixed + per_seq x requests in flight
-    (context at the workload's lengths folded in)."""
-    series = await sweep(send, url, body, lambda t: t.tpot, levels)
+    (context at the workload's lengths folded in). One round per level, all started at
+    once: their prefills share the first step, and every later step only decodes (in a
+    closed loop, newcomers' prefills would mix into the timed steps, which the queue model
+    counts on its own)."""
+    series = await sweep(send, url, body, lambda t: t.tpot, levels, rounds=1)
     fixed, per_seq = fit_line(series.levels, series.values)
     return StepCost(fixed_ms=fixed * 1000, per_seq_ms=per_seq * 1000), series
 
