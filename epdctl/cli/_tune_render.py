@@ -65,3 +65,6 @@ def write_out(doc: Mapping[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out_dir / "report.md").write_text(markdown(doc))
+    from epdctl.tune.plot import write_plot
+
+    write_plot(doc, out_dir / "plot.png")

@@ -65,6 +65,7 @@ class Row:
                 "bottleneck": p.bottleneck if p else None,
                 "measured_goodput": m.goodput if m else None,
                 "measured_interval": [m.low, m.high] if m and m.low is not None else None,
+                "measured_points": [list(p) for p in m.points] if m else None,
                 "prediction_error": error, "not_profiled": self.missing}
 
 

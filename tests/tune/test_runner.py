@@ -51,7 +51,8 @@ def profiler_calls(calls: list[str]):  # type: ignore[no-untyped-def]
 
 
 def confirm(candidate: Candidate, knee: float) -> Measured:
-    return Measured(candidate.name, knee * (1.2 if candidate.shape.kind == "e-pd" else 0.9))
+    got = knee * (1.2 if candidate.shape.kind == "e-pd" else 0.9)
+    return Measured(candidate.name, got, points=((got / 2, 1.0), (got * 2, 0.5)))
 
 
 class Clock:
@@ -86,3 +87,15 @@ def test_budget_stops_it_and_says_what_was_left_out(tmp_path: Path) -> None:
                   Clock())
     assert "budget" in report["stop_reason"]
     assert report["best"] is None and report["not_confirmed"]
+
+
+def test_plot_of_a_report(tmp_path: Path) -> None:
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    from epdctl.tune.plot import write_plot
+
+    report = tune(settings(tmp_path), profiler_calls([]), confirm, Log(), Clock())
+    assert write_plot(report, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert not write_plot({"candidates": []}, tmp_path / "none.png")
