@@ -21,6 +21,7 @@ from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
 from epdctl.tune.probes import Measurements, probe_shapes
 
 PROFILES = "profiles.json"
+CONFIRMED = "confirmed.json"
 
 
 class Progress(Protocol):
@@ -69,19 +70,38 @@ class Row:
                 "prediction_error": error, "not_profiled": self.missing}
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _load(path: Path, key: str) -> dict[str, Any]:
+    """A store of --out, when it was made for the same workload and SLO (else empty)."""
     try:
         data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+    if not isinstance(data, dict) or data.get("key") != key:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _save(path: Path, key: str, entries: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "entries": entries}, indent=2))
+    tmp.replace(path)
+
+
+def store_key(settings: Settings) -> str:
+    """What profiles and confirmations depend on: the workload's shape, the SLO, the base."""
+    shape = {k: v for k, v in settings.workload.as_json().items() if k != "points"}
+    return json.dumps({"workload": shape, "slo": [settings.slo.ttft_ms, settings.slo.tpot_ms],
+                       "base": settings.base.model_dump(mode="json")}, sort_keys=True)
 
 
 def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Profiler,
                     progress: Progress, base_placed: Callable[[Shape], Topology]) -> Profile:
     """Profile every probe shape not already in --out's profiles.json; merge into one."""
     path = settings.out_dir / PROFILES
-    store = _load(path)
+    key = store_key(settings)
+    store = _load(path, key)
     for shape in probe_shapes([c.shape for c in cands], len(settings.gpus)):
         if shape.label in store:
             progress.line(f"profile {shape.label}: kept from {path}")
@@ -91,8 +111,7 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
         store[shape.label] = {"stages": {k: asdict(v) for k, v in got.stages.items()},
                               "series": got.series, "kv_ms": got.kv_ms,
                               "sharing_slowdown": got.sharing_slowdown}
-        settings.out_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(store, indent=2))
+        _save(path, key, store)
     stages: dict[str, StepCost] = {}
     kv: list[float] = []
     sharing = [float(e["sharing_slowdown"]) for e in store.values()
@@ -138,7 +157,14 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
     by_name = {r.candidate.name: r for r in rows}
     aggregated = [r.candidate.name for r in ranked if r.candidate.shape.kind == "aggregated"]
     must = aggregated[:1]
+    confirmed_path = settings.out_dir / CONFIRMED
+    kept_runs = _load(confirmed_path, store_key(settings))
     measured: dict[str, Measured] = {}
+    for name, entry in kept_runs.items():
+        if name in by_name:
+            by_name[name].measured = measured[name] = Measured(
+                name, float(entry["goodput"]), points=tuple(map(tuple, entry["points"])))
+            progress.line(f"confirmed {name}: kept from {confirmed_path}")
     cost_s = 0.0
     while True:
         decision = next_step([(r.candidate.name, r.prediction.goodput) for r in ranked
@@ -155,6 +181,9 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         row.measured = measured[row.candidate.name] = confirmer(row.candidate,
                                                                 row.prediction.goodput)
         cost_s = max(cost_s, clock() - t0)
+        kept_runs[row.candidate.name] = {"goodput": row.measured.goodput,
+                                         "points": [list(p) for p in row.measured.points]}
+        _save(confirmed_path, store_key(settings), kept_runs)
         progress.line(f"  measured {row.measured.goodput:.3g} req/s")
     best = _best(list(measured.values()))
     return {

@@ -66,5 +66,6 @@ def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> 
     assert all(c["measured_goodput"] is not None for c in doc["candidates"])
     assert {c["bottleneck"] for c in doc["candidates"]} <= {"encode", "prefill_decode"}
     assert (out / "report.json").is_file() and "| # |" in (out / "report.md").read_text()
-    assert set(json.loads((out / "profiles.json").read_text())) == {"1E~1PD", "1PD"}
+    assert set(json.loads((out / "profiles.json").read_text())["entries"]) == {"1E~1PD", "1PD"}
+    assert (out / "confirmed.json").is_file()
     assert load_topology(best).name == doc["best"]

@@ -3,6 +3,7 @@ aggregated candidate confirmed, the budget honoured, the best measured one named
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from epdctl.bench.workload import LoadPoint, Workload
@@ -78,8 +79,18 @@ def test_tune_predicts_confirms_and_keeps_profiles(tmp_path: Path) -> None:
     assert report["best"] == best["name"]
     assert all(r["prediction_error"] is not None for r in confirmed)
     again: list[str] = []
-    tune(settings(tmp_path), profiler_calls(again), confirm, Log(), Clock())
-    assert again == []  # every probe's profile kept in --out
+    confirmed: list[str] = []
+
+    def confirm_again(candidate: Candidate, knee: float) -> Measured:
+        confirmed.append(candidate.name)
+        return confirm(candidate, knee)
+
+    second = tune(settings(tmp_path), profiler_calls(again), confirm_again, Log(), Clock())
+    assert again == [] and confirmed == []  # profiles and confirmations kept in --out
+    assert second["best"] == report["best"]
+    other = replace(settings(tmp_path), slo=Slo(ttft_ms=900, tpot_ms=50))
+    tune(other, profiler_calls(again), confirm, Log(), Clock())
+    assert again  # another SLO: profiled again
 
 
 def test_budget_stops_it_and_says_what_was_left_out(tmp_path: Path) -> None:
