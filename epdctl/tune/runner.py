@@ -184,7 +184,11 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         kept_runs[row.candidate.name] = {"goodput": row.measured.goodput,
                                          "points": [list(p) for p in row.measured.points]}
         _save(confirmed_path, store_key(settings), kept_runs)
-        progress.line(f"  measured {row.measured.goodput:.3g} req/s")
+        spent = clock() - started
+        left = min(settings.budget_s - spent,
+                   cost_s * max(settings.max_confirm - len(measured), 0))
+        progress.line(f"  measured {row.measured.goodput:.3g} req/s; {spent:.0f} s spent, "
+                      f"at most ~{max(left, 0):.0f} s left")
     best = _best(list(measured.values()))
     return {
         "candidates": [r.as_json() for r in ranked] + [r.as_json() for r in rows
