@@ -49,6 +49,7 @@ def test_bad_input_is_one_line(epdctl: Callable[..., Result], tmp_path: Path, ar
     assert message in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.slow  # ~35 s on a loaded 2-core machine: four topologies up and down
 @pytest.mark.timeout(300)
 def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> None:
     out, best = tmp_path / "out", tmp_path / "best.yaml"
