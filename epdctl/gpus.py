@@ -11,6 +11,12 @@ from typing import Any
 from epdctl.errors import PlanError
 
 CPU_HINT = "for a CPU-only machine use `device: cpu`, see topologies/cpu-demo.yaml"
+# The simulated machine (epdctl.sim): this many fake GPUs instead of NVML's, for plans only;
+# the engines that run on them are epdctl.sim's fake engine. Read here and nowhere else.
+FAKE_GPUS_ENV = "EPDCTL_FAKE_GPUS"
+FAKE_GPU_MEMORY_ENV = "EPDCTL_FAKE_GPU_MEMORY"
+FAKE_GPU_NAME = "epdctl-sim fake GPU"
+FAKE_GPU_MEMORY = 80 << 30
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,28 @@ def _nvml_devices() -> list[str]:
                 for index in range(nvml.nvmlDeviceGetCount())]
 
 
+def fake_gpu_count(environ: Mapping[str, str] | None = None) -> int | None:
+    """$EPDCTL_FAKE_GPUS as a count (None: unset, real GPUs); PlanError when not a count."""
+    value = (os.environ if environ is None else environ).get(FAKE_GPUS_ENV)
+    if value is None or not value.strip():
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise PlanError(f"{FAKE_GPUS_ENV}={value!r}: expected a number of fake GPUs (1 or more)")
+    return int(value)
+
+
+def _fake_memory(environ: Mapping[str, str]) -> int:
+    from epdctl.topology_sections import parse_size
+
+    value = environ.get(FAKE_GPU_MEMORY_ENV)
+    if value is None:
+        return FAKE_GPU_MEMORY
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise PlanError(f"{FAKE_GPU_MEMORY_ENV}={value!r}: {exc}") from None
+
+
 def _matches(entry: str, uuids: list[str]) -> bool:
     """Whether a CUDA_VISIBLE_DEVICES entry names a GPU (an index or a UUID prefix)."""
     if entry.isdigit():
@@ -76,6 +104,9 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
     devices the user let epdctl see, and a role's `gpus: [0]` means the first of them.
     """
     environ = os.environ if environ is None else environ
+    fake = fake_gpu_count(environ)
+    if fake is not None:  # the simulated machine: an outer CUDA_VISIBLE_DEVICES is not read
+        return [str(i) for i in range(fake)]
     uuids = _nvml_devices()
     if not uuids:
         raise PlanError(f"no NVIDIA GPU found (NVML: 0 devices); {CPU_HINT}")
@@ -112,7 +143,11 @@ def _describe(nvml: Any, index: int, device_id: str) -> GpuInfo:
 
 def describe_gpus(environ: Mapping[str, str] | None = None) -> list[GpuInfo]:
     """visible_gpus() with each GPU's name and memory now; PlanError as visible_gpus."""
+    environ = os.environ if environ is None else environ
     ids = visible_gpus(environ)
+    if fake_gpu_count(environ) is not None:
+        memory = _fake_memory(environ)
+        return [GpuInfo(i, FAKE_GPU_NAME, memory, memory) for i in ids]
     with _nvml() as nvml:
         uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index)))
                  for index in range(nvml.nvmlDeviceGetCount())]
@@ -130,6 +165,9 @@ def describe_gpus(environ: Mapping[str, str] | None = None) -> list[GpuInfo]:
 
 def gpu_names() -> list[str]:
     """The NVML name of every GPU, by NVML index (for reports: `bench` records them)."""
+    fake = fake_gpu_count()
+    if fake is not None:
+        return [FAKE_GPU_NAME] * fake
     with _nvml() as nvml:
         return [_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(index)))
                 for index in range(nvml.nvmlDeviceGetCount())]

@@ -173,3 +173,22 @@ def test_gpu_names_for_reports(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_nvml(monkeypatch, init_error="driver not loaded")
     with pytest.raises(PlanError, match="NVML: driver not loaded"):
         gpu_names()
+
+
+def test_fake_gpus_replace_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    from epdctl.gpus import FAKE_GPU_NAME, describe_gpus
+
+    calls = _fake_nvml(monkeypatch, UUIDS)
+    env = {"EPDCTL_FAKE_GPUS": "3", "EPDCTL_FAKE_GPU_MEMORY": "24GiB",
+           "CUDA_VISIBLE_DEVICES": "7"}
+    assert visible_gpus(env) == ["0", "1", "2"]
+    infos = describe_gpus(env)
+    assert [(g.id, g.name, g.total_bytes) for g in infos] == [
+        (str(i), FAKE_GPU_NAME, 24 << 30) for i in range(3)]
+    assert calls == []  # NVML is never asked
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_fake_gpus_bad_count(value: str) -> None:
+    with pytest.raises(PlanError, match="EPDCTL_FAKE_GPUS"):
+        visible_gpus({"EPDCTL_FAKE_GPUS": value})

@@ -18,6 +18,7 @@ from epdctl.cli.logs import logs
 from epdctl.cli.render import render
 from epdctl.cli.status import status
 from epdctl.cli.top import top
+from epdctl.cli.tune import tune
 from epdctl.cli.up import up
 from epdctl.cli.verify import verify
 from epdctl.errors import EpdctlError
@@ -71,7 +72,7 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     ctx.obj = app
 
 
-for command in (up, down, status, logs, top, cache, verify, bench, render, doctor):
+for command in (up, down, status, logs, top, cache, verify, bench, tune, render, doctor):
     cli.add_command(command)
 
 

@@ -1,0 +1,70 @@
+"""`epdctl tune` output: the ranked table (text and Markdown), and the --out files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+HEADERS = ("#", "candidate", "shape", "GPUs", "pred req/s", "meas req/s", "error",
+           "TTFT p90", "TPOT p90", "bottleneck", "utilization")
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def rows(doc: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = [HEADERS]
+    for i, c in enumerate(doc["candidates"], 1):
+        util = c.get("utilization") or {}
+        error = c.get("prediction_error")
+        out.append((str(i), c["name"], c["shape"], str(c["gpus"]),
+                    _num(c.get("predicted_goodput")), _num(c.get("measured_goodput")),
+                    "-" if error is None else f"{error:+.0%}",
+                    _num((c.get("ttft_ms") or {}).get("p90")),
+                    _num((c.get("tpot_ms") or {}).get("p90")), c.get("bottleneck") or "-",
+                    " ".join(f"{r[:6]} {u:.0%}" for r, u in util.items()) or "-"))
+    return out
+
+
+def hints(doc: Mapping[str, Any]) -> list[str]:
+    """"E idle 70 %: fewer encoders", for the best one."""
+    best = next((c for c in doc["candidates"] if c["name"] == doc.get("best")), None)
+    lines = []
+    for role, used in ((best or {}).get("utilization") or {}).items():
+        if used < 0.3:
+            lines.append(f"{role} idle {1 - used:.0%} at the knee: fewer {role} instances")
+    return lines
+
+
+def text_table(doc: Mapping[str, Any]) -> str:
+    table = rows(doc)
+    widths = [max(len(r[i]) for r in table) for i in range(len(HEADERS))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True))
+                     .rstrip() for r in table)
+
+
+def markdown(doc: Mapping[str, Any]) -> str:
+    table = rows(doc)
+    lines = ["# epdctl tune", "",
+             f"Best measured: `{doc.get('best') or '-'}` "
+             f"({_num(doc.get('best_goodput'))} req/s). Stopped: {doc['stop_reason']}.", "",
+             "| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+    lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
+    if doc.get("not_confirmed"):
+        lines += ["", "Not confirmed: " + ", ".join(f"`{n}`" for n in doc["not_confirmed"])]
+    if doc.get("left_out"):
+        lines += ["", "Left out (memory):"] + [f"- {x['shape']}: {x['reason']}"
+                                                for x in doc["left_out"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_out(doc: Mapping[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out_dir / "report.md").write_text(markdown(doc))
+    from epdctl.tune.plot import write_plot
+
+    write_plot(doc, out_dir / "plot.png")

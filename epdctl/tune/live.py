@@ -1,0 +1,107 @@
+"""The real profiler and confirmer of the tune loop: probe topologies brought up through
+the run API and profiled over HTTP; candidates run through bench's runner (`vllm bench
+serve`) at rates around their predicted knee."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from epdctl.bench.workload import LoadPoint, Workload
+from epdctl.state import RunState
+from epdctl.topology import Topology
+from epdctl.tune.candidates import Candidate, Shape
+from epdctl.tune.decide import Measured, attainment, knee
+from epdctl.tune.probes import Bodies, Measurements, profile_running
+from epdctl.tune.profile import LEVELS
+from epdctl.tune.runner import Progress
+
+KNEE_FACTORS = (0.5, 0.8, 1.0, 1.25)
+"""Load points of a confirmation run, as multiples of the predicted knee."""
+
+
+def write_topology(topology: Topology, path: Path) -> Path:
+    """A topology as YAML that `epdctl up` reads back the same."""
+    import yaml
+
+    from epdctl.topology import parse_topology
+
+    data = topology.model_dump(mode="json", exclude_defaults=True)
+    data.setdefault("name", topology.name)
+    parse_topology(data, str(path))  # what is written must load
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@dataclass
+class _RunnerProgress:
+    """bench's runner Progress, on tune's."""
+
+    progress: Progress
+
+    def line(self, text: str) -> None:
+        self.progress.line(text)
+
+    def tick(self, text: str) -> None:
+        pass
+
+    def on_change(self, state: RunState) -> None:
+        pass
+
+    def done_starting(self) -> None:
+        pass
+
+
+class LiveProfiler:
+    def __init__(self, state_root: Path, out_dir: Path, bodies: Bodies, tokens: int, *,
+                 timeout_s: float, levels: Sequence[int] = LEVELS) -> None:
+        self.state_root, self.out_dir = state_root, out_dir
+        self.bodies, self.tokens, self.timeout_s, self.levels = bodies, tokens, timeout_s, levels
+
+    def __call__(self, shape: Shape, topology: Topology) -> Measurements:
+        from epdctl.run import prepare, start_detached, stop
+
+        path = write_topology(topology, self.out_dir / "probes" / f"{topology.name}.yaml")
+        run = prepare(path, self.state_root, topology=topology)
+        state = start_detached(run, self.timeout_s)
+        try:
+            return asyncio.run(profile_running(state, shape, self.bodies, self.tokens,
+                                               self.levels))
+        finally:
+            stop(run.sdir, run.sdir.read())
+
+
+class LiveConfirmer:
+    def __init__(self, workload: Workload, state_root: Path, out_dir: Path, *,
+                 timeout_s: float, progress: Progress) -> None:
+        self.workload, self.state_root, self.out_dir = workload, state_root, out_dir
+        self.timeout_s, self.progress = timeout_s, progress
+
+    def __call__(self, candidate: Candidate, predicted: float) -> Measured:
+        """Bench near the predicted knee: KNEE_FACTORS times it."""
+        return self.measure(candidate, [round(max(predicted, 0.05) * f, 4)
+                                        for f in KNEE_FACTORS])
+
+    def measure(self, candidate: Candidate, rates: Sequence[float]) -> Measured:
+        """Bench the candidate at these Poisson rates (one start); its measured knee."""
+        from epdctl.bench.arms import Arm, image_limit
+        from epdctl.bench.runner import greedy_prompts, run_arm
+
+        workload = replace(self.workload, points=tuple(LoadPoint(r) for r in rates))
+        path = write_topology(candidate.topology,
+                              self.out_dir / "candidates" / f"{candidate.name}.yaml")
+        arm = Arm(candidate.name, "extra", candidate.topology, path)
+        run = run_arm(arm, workload, self.state_root, self.out_dir / "bench" / candidate.name,
+                      {}, timeout_s=self.timeout_s, progress=_RunnerProgress(self.progress),
+                      prompts=greedy_prompts(image_limit(candidate.topology))[:1])
+        points = tuple((rates[p.index], share) for p in run.points
+                       if (share := attainment(p.figures)) is not None)
+        return Measured(candidate.name, knee(points), points=points)
+
+
+def figures_of(measured: Measured) -> dict[str, Any]:
+    return {"goodput": measured.goodput, "points": [list(p) for p in measured.points]}

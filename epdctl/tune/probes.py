@@ -1,0 +1,274 @@
+"""Profiling for real: the few small topologies whose instances cover every stage the
+candidates need, and the sweeps against a running one over HTTP (each instance alone,
+requests shaped as the workload's)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from epdctl.bench.workload import WORDS, Workload, png
+from epdctl.state import RunState, SpecModel
+from epdctl.tune.candidates import Pool, Shape
+from epdctl.tune.des import StepCost
+from epdctl.tune.model import needed_stages, stage_key
+from epdctl.tune.profile import (
+    DECODE_TOKENS,
+    LEVELS,
+    Send,
+    Timing,
+    closed_loop,
+    combine,
+    profile_decode,
+    profile_encode,
+    profile_prefill,
+    slowdown,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+def probe_shapes(shapes: Sequence[Shape], gpus: int) -> list[Shape]:
+    """Small shapes (at most `gpus` devices each) that hold an instance of every stage key
+    the shapes need: E|PD for E and consumer PD, aggregated for PD that encodes, E|P|D for
+    P and D (a shared one too where some candidate shares a GPU)."""
+    needed = {k for s in shapes for k in needed_stages(s)}
+    probes: list[Shape] = []
+    for tp in sorted({s.pd.tp for s in shapes if s.pd.replicas and s.encoders}):
+        probes.append(Shape("e-pd", 1, pd=Pool(1, tp)))
+    for tp in sorted({s.pd.tp for s in shapes if s.pd.replicas and not s.encoders}):
+        probes.append(Shape("aggregated", pd=Pool(1, tp)))
+    pairs = sorted({(s.prefill.tp, s.decode.tp) for s in shapes if s.prefill.replicas})
+    covered: set[str] = set()
+    for tp_p, tp_d in pairs:
+        keys = {stage_key("prefill", tp_p), stage_key("decode", tp_d)}
+        if not keys <= covered:
+            probes.append(Shape("epd", 1, prefill=Pool(1, tp_p), decode=Pool(1, tp_d)))
+            covered |= keys
+    if any(s.shared for s in shapes):
+        probes.append(Shape("e-pd", 1, True, pd=Pool(1, 1)))
+    if not needed:
+        return []
+    # Too big with E on a GPU of its own: E shares its host's first GPU (E idles while the
+    # host is timed, so the host's figures stay its own).
+    fitted = [p if p.gpus <= gpus or not p.encoders else replace(p, shared=True)
+              for p in probes]
+    return list(dict.fromkeys(p for p in fitted if p.gpus <= gpus))
+
+
+@dataclass
+class Bodies:
+    """Requests shaped as the workload's, each with its own image."""
+
+    workload: Workload
+    model: str
+    _images: dict[int, str] = field(default_factory=dict)
+
+    def image(self, n: int) -> dict[str, Any]:
+        if n not in self._images:
+            w, h = self.workload.image_size
+            data = base64.b64encode(png(w, h, 7_000_003 + n)).decode()
+            self._images[n] = f"data:image/png;base64,{data}"
+        return {"type": "image_url", "image_url": {"url": self._images[n]}}
+
+    def chat(self, n: int, max_tokens: int, stream: bool = False) -> dict[str, Any]:
+        text = f"{n}: " + " ".join(WORDS[(n + i) % len(WORDS)]
+                                   for i in range(self.workload.input_len))
+        content = [self.image(n * 16 + i) for i in range(self.workload.images)]
+        body: dict[str, Any] = {
+            "model": self.model, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream,
+            "messages": [{"role": "user", "content": [*content,
+                                                      {"type": "text", "text": text}]}]}
+        return body
+
+    def encoder(self, n: int) -> dict[str, Any]:
+        return {"model": self.model, "stream": False,
+                "messages": [{"role": "user", "content": [self.image(n * 16)]}]}
+
+
+class Http:
+    """The HTTP Send: time one request (its tokens, when streamed)."""
+
+    def __init__(self, headers: dict[str, dict[str, str]]) -> None:
+        import httpx
+
+        self.client = httpx.AsyncClient(timeout=600.0)
+        self.headers = headers
+
+    async def send(self, url: str, body: dict[str, Any]) -> Timing:
+        start = time.perf_counter()
+        headers = self.headers.get(url, {})
+        if not body.get("stream"):
+            reply = await self.client.post(url + CHAT, json=body, headers=headers)
+            reply.raise_for_status()
+            end = time.perf_counter()
+            tokens = (reply.json().get("usage") or {}).get("completion_tokens") or 0
+            return Timing(start, end, end, int(tokens))
+        first, tokens = None, 0
+        async with self.client.stream("POST", url + CHAT, json=body, headers=headers) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if choices and (choices[0].get("delta") or {}).get("content"):
+                    tokens += 1
+                    first = first or time.perf_counter()
+        end = time.perf_counter()
+        return Timing(start, first or end, end, tokens)
+
+    async def post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = await self.client.post(url + CHAT, json=body, headers=self.headers.get(url, {}))
+        reply.raise_for_status()
+        data: dict[str, Any] = reply.json()
+        return data
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _headers(spec: SpecModel) -> dict[str, str]:
+    key = spec.env.get("VLLM_API_KEY") if spec.is_key_required else None
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def _max_seqs(spec: SpecModel) -> int | None:
+    from epdctl.topology import flag_value
+
+    value = flag_value(spec.args, "--max-num-seqs")
+    return int(value) if value and value.isdigit() else None
+
+
+@dataclass
+class Measurements:
+    """What one probe topology gave: step costs by stage key, and the hand-off costs."""
+
+    stages: dict[str, StepCost] = field(default_factory=dict)
+    series: dict[str, Any] = field(default_factory=dict)
+    kv_ms: float | None = None
+    """D's time to its first token beyond a decode step, at the workload's prompt."""
+    sharing_slowdown: float | None = None
+    """How much longer PD's decode steps get while E on its GPU is kept busy."""
+
+
+async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens: int,
+                          levels: Sequence[int] = LEVELS) -> Measurements:
+    """Profile each instance of a running probe topology alone (one of each role)."""
+    specs = {s.role: s for s in state.engines}
+    http = Http({s.url: _headers(s) for s in state.engines})
+    out = Measurements()
+    try:
+        await _profile(http, specs, shape, bodies, tokens, levels, out)
+    finally:
+        await http.close()
+    return out
+
+
+async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies: Bodies,
+                   tokens: int, levels: Sequence[int], out: Measurements) -> None:
+    send: Send = http.send
+    if "encode" in specs:
+        e_url = specs["encode"].url
+        cost, series = await profile_encode(send, e_url, bodies.encoder, levels)
+        out.stages["encode"], out.series["encode"] = cost, series.as_json()
+    for role in ("prefill_decode",):
+        if role not in specs:
+            continue
+        spec = specs[role]
+        encodes = "encode" not in specs
+        key = stage_key(role, spec.tensor_parallel, encodes=encodes)
+        pre_send = send if encodes else _after_encoder(http, specs["encode"].url, bodies)
+        prefill, s1 = await profile_prefill(pre_send, spec.url, lambda n: bodies.chat(n, 1),
+                                            tokens, levels)
+        decode, s2 = await profile_decode(
+            pre_send, spec.url, lambda n: bodies.chat(10_000 + n, DECODE_TOKENS, True), levels)
+        out.stages[key] = combine(prefill, decode, _max_seqs(spec))
+        out.series[key] = {"prefill": s1.as_json(), "decode": s2.as_json()}
+        if shape.shared and not encodes:
+            alone = s2.values[-1]
+            loaded = await _beside_busy_encoder(
+                send, specs["encode"].url, bodies, pre_send, spec.url, s2.levels[-1])
+            out.sharing_slowdown = slowdown(alone, loaded)
+            out.series["sharing"] = {"alone_ms": alone * 1000, "loaded_ms": loaded * 1000}
+    if "prefill" in specs and "decode" in specs:
+        p, d = specs["prefill"], specs["decode"]
+        p_send = _after_encoder(http, specs["encode"].url, bodies) if "encode" in specs \
+            else send
+        prefill, s1 = await profile_prefill(p_send, p.url, lambda n: bodies.chat(n, 1),
+                                            tokens, levels)
+        out.stages[stage_key("prefill", p.tensor_parallel)] = prefill
+        d_send = _after_prefill(http, p.url, specs["encode"].url if "encode" in specs else None)
+        decode, s2 = await profile_decode(
+            d_send, d.url, lambda n: bodies.chat(20_000 + n, DECODE_TOKENS, True), levels)
+        out.stages[stage_key("decode", d.tensor_parallel)] = replace_seqs(decode, _max_seqs(d))
+        out.series["prefill"], out.series["decode"] = s1.as_json(), s2.as_json()
+        one = await d_send(d.url, bodies.chat(30_000, DECODE_TOKENS, True))
+        step = (decode.fixed_ms + decode.per_seq_ms) / 1000
+        out.kv_ms = max((one.first - one.start - step) * 1000, 0.0)
+
+
+async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, pd_send: Send,
+                               pd_url: str, level: int) -> float:
+    """PD's time per output token at `level` in flight while E is kept busy."""
+    import asyncio
+
+    stop = asyncio.Event()
+
+    async def keep_busy(w: int) -> None:
+        n = 0
+        while not stop.is_set():
+            await send(e_url, bodies.encoder(50_000 + w * 1000 + n))
+            n += 1
+
+    busy = [asyncio.create_task(keep_busy(w)) for w in range(LEVELS[-1])]
+    try:
+        timings = await closed_loop(pd_send, pd_url,
+                                    lambda n: bodies.chat(40_000 + n, DECODE_TOKENS, True),
+                                    level)
+    finally:
+        stop.set()
+        await asyncio.gather(*busy, return_exceptions=True)
+    values = [t.tpot for t in timings if t.tpot is not None]
+    return sum(values) / len(values) if values else 0.0
+
+
+def replace_seqs(cost: StepCost, max_seqs: int | None) -> StepCost:
+    return replace(cost, max_seqs=max_seqs) if max_seqs else cost
+
+
+async def _encode(http: Http, e_url: str, body: dict[str, Any]) -> None:
+    for part in body["messages"][0]["content"]:
+        if part.get("type") == "image_url":
+            await http.post(e_url, {"model": body.get("model"), "stream": False,
+                                    "messages": [{"role": "user", "content": [part]}]})
+
+
+def _after_encoder(http: Http, e_url: str, bodies: Bodies) -> Send:
+    """A Send that has E encode the request's images first (untimed), as the proxy does."""
+    async def send(url: str, body: dict[str, Any]) -> Timing:
+        await _encode(http, e_url, body)
+        return await http.send(url, body)
+
+    return send
+
+
+def _after_prefill(http: Http, p_url: str, e_url: str | None) -> Send:
+    """A Send to D that has E and P do their part first (untimed), as the proxy does, and
+    gives D P's kv_transfer_params."""
+    from epdctl.proxy.routing import PREFILL_KV
+
+    async def send(url: str, body: dict[str, Any]) -> Timing:
+        if e_url is not None:
+            await _encode(http, e_url, body)
+        answer = await http.post(p_url, {**body, "stream": False, "max_tokens": 1,
+                                         "max_completion_tokens": 1,
+                                         "kv_transfer_params": dict(PREFILL_KV)})
+        params = answer.get("kv_transfer_params")
+        return await http.send(url, {**body, "kv_transfer_params": params} if params else body)
+
+    return send

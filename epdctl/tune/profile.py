@@ -1,0 +1,148 @@
+"""Profiling: short closed-loop runs against single instances at the workload's sizes, and
+the step costs fitted from them (E: latency against images in flight; prefill: against
+prompt tokens in flight; decode: time per token against requests in flight; D's KV pull).
+
+Measurement goes through a `Send` (one timed request), so the sweep and the fits are
+tested without a server; epdctl.tune.probes gives the HTTP one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from epdctl.tune.des import StepCost
+
+LEVELS = (1, 2, 4, 8)
+"""Requests in flight at which each stage is timed."""
+ROUNDS = 3
+"""Requests each worker sends per level (the first round fills the batch)."""
+DECODE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Timing:
+    start: float
+    first: float
+    """The first token's arrival (the end, for an answer that is not streamed)."""
+    end: float
+    tokens: int
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.end - self.first) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+Send = Callable[[str, dict[str, Any]], Awaitable[Timing]]
+"""(instance URL, body) -> its timing; streamed bodies time each token."""
+Body = Callable[[int], dict[str, Any]]
+"""Request number -> its body (each its own image, so no cache hit)."""
+
+
+async def closed_loop(send: Send, url: str, body: Body, concurrency: int,
+                      rounds: int = ROUNDS, start: int = 0) -> list[Timing]:
+    """`concurrency` workers, each sending `rounds` requests one after another; the timings
+    of every round but the first (it fills the batch), or all when there is one round."""
+    async def worker(w: int) -> list[Timing]:
+        return [await send(url, body(start + w * rounds + r)) for r in range(rounds)]
+
+    results = await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    keep = slice(1, None) if rounds > 1 else slice(None)
+    return [t for per in results for t in per[keep]]
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares y = a + b x, both kept at 0 or more."""
+    n = len(xs)
+    if n == 0:
+        return 0.0, 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    b = max(b, 0.0)
+    a = my - b * mx
+    if a < 0:  # through the origin instead
+        sxx0 = sum(x * x for x in xs)
+        return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sxx0 if sxx0 else 0.0
+    return a, b
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+@dataclass(frozen=True)
+class Series:
+    """One stage's sweep: per level, the mean of what was timed (s)."""
+
+    levels: tuple[int, ...]
+    values: tuple[float, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"levels": list(self.levels), "values_ms": [round(v * 1000, 4)
+                                                           for v in self.values]}
+
+
+async def sweep(send: Send, url: str, body: Body, measure: Callable[[Timing], float | None],
+                levels: Sequence[int] = LEVELS, rounds: int = ROUNDS) -> Series:
+    values = []
+    start = 0
+    for level in levels:
+        timings = await closed_loop(send, url, body, level, rounds, start)
+        start += level * rounds
+        values.append(_mean([v for t in timings if (v := measure(t)) is not None]))
+    return Series(tuple(levels), tuple(values))
+
+
+async def profile_encode(send: Send, url: str, body: Body,
+                         levels: Sequence[int] = LEVELS) -> tuple[StepCost, Series]:
+    """E: a step of b images takes fixed + per_image * b (b = images in flight)."""
+    series = await sweep(send, url, body, lambda t: t.latency, levels)
+    fixed, per = fit_line(series.levels, series.values)
+    return StepCost(fixed_ms=fixed * 1000, per_image_ms=per * 1000,
+                    max_images=max(levels)), series
+
+
+async def profile_prefill(send: Send, url: str, body: Body, tokens: int,
+                          levels: Sequence[int] = LEVELS) -> tuple[StepCost, Series]:
+    """A prefill-only request (`max_tokens` 1): fixed + per_token x tokens in flight. The
+    images of the workload's requests are folded into the per-token cost."""
+    series = await sweep(send, url, body, lambda t: t.latency, levels)
+    fixed, per_request = fit_line(series.levels, series.values)
+    return StepCost(fixed_ms=fixed * 1000, per_token_ms=per_request * 1000 / max(tokens, 1)), \
+        series
+
+
+async def profile_decode(send: Send, url: str, body: Body,
+                         levels: Sequence[int] = LEVELS) -> tuple[StepCost, Series]:
+    """A streamed request's time per output token: fixed + per_seq x requests in flight
+    (context at the workload's lengths folded in). One round per level, all started at
+    once: their prefills share the first step, and every later step only decodes (in a
+    closed loop, newcomers' prefills would mix into the timed steps, which the queue model
+    counts on its own)."""
+    series = await sweep(send, url, body, lambda t: t.tpot, levels, rounds=1)
+    fixed, per_seq = fit_line(series.levels, series.values)
+    return StepCost(fixed_ms=fixed * 1000, per_seq_ms=per_seq * 1000), series
+
+
+def combine(prefill: StepCost, decode: StepCost, max_seqs: int | None = None,
+            max_tokens: int | None = None) -> StepCost:
+    """One instance that prefills and decodes (PD): a step pays one fixed cost, the larger."""
+    cost = replace(decode, fixed_ms=max(prefill.fixed_ms, decode.fixed_ms),
+                   per_token_ms=prefill.per_token_ms, per_image_ms=prefill.per_image_ms)
+    if max_seqs:
+        cost = replace(cost, max_seqs=max_seqs)
+    if max_tokens:
+        cost = replace(cost, max_tokens=max_tokens)
+    return cost
+
+
+def slowdown(alone: float, loaded: float) -> float:
+    """The sharing factor from a stage's time alone and beside a busy neighbour."""
+    return max(loaded / alone - 1.0, 0.0) if alone > 0 else 0.0

@@ -1,0 +1,211 @@
+"""The tune loop: candidates, profiles (kept in --out, reused), predictions, confirmation
+runs until the stop rule says so, and the result. Profiling and confirming are passed in,
+so the loop is tested without servers; epdctl.tune.live gives the real ones."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from epdctl.bench.workload import Workload
+from epdctl.topology import Topology
+from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
+from epdctl.tune.decide import Measured, is_better, next_step
+from epdctl.tune.des import StepCost
+from epdctl.tune.facts import ModelFacts
+from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
+from epdctl.tune.probes import Measurements, probe_shapes
+
+PROFILES = "profiles.json"
+CONFIRMED = "confirmed.json"
+
+
+class Progress(Protocol):
+    def line(self, text: str) -> None: ...
+
+
+Profiler = Callable[[Shape, Topology], Measurements]
+"""Bring a probe topology up, profile it, take it down."""
+Confirmer = Callable[[Candidate, float], Measured]
+"""Run bench on a candidate around a predicted knee (req/s); its measured goodput."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    base: Topology
+    gpus: tuple[int, ...]
+    workload: Workload
+    slo: Slo
+    facts: ModelFacts
+    gpu_memory: int | None
+    out_dir: Path
+    budget_s: float = 45 * 60.0
+    max_confirm: int = 4
+    sim_requests: int = 300
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    prediction: Prediction | None = None
+    measured: Measured | None = None
+    missing: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        p, m = self.prediction, self.measured
+        error = (round(p.goodput / m.goodput - 1, 3) if p and m and m.goodput else None)
+        return {"name": self.candidate.name, "shape": self.candidate.shape.label,
+                "kind": self.candidate.shape.kind, "gpus": self.candidate.shape.gpus,
+                "predicted_goodput": p.goodput if p else None,
+                "ttft_ms": p.ttft_ms if p else None, "tpot_ms": p.tpot_ms if p else None,
+                "utilization": p.utilization if p else None,
+                "bottleneck": p.bottleneck if p else None,
+                "measured_goodput": m.goodput if m else None,
+                "measured_interval": [m.low, m.high] if m and m.low is not None else None,
+                "measured_points": [list(p) for p in m.points] if m else None,
+                "prediction_error": error, "not_profiled": self.missing}
+
+
+def _load(path: Path, key: str) -> dict[str, Any]:
+    """A store of --out, when it was made for the same workload and SLO (else empty)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("key") != key:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _save(path: Path, key: str, entries: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "entries": entries}, indent=2))
+    tmp.replace(path)
+
+
+def store_key(settings: Settings) -> str:
+    """What profiles and confirmations depend on: the workload's shape, the SLO, the base."""
+    shape = {k: v for k, v in settings.workload.as_json().items() if k != "points"}
+    return json.dumps({"workload": shape, "slo": [settings.slo.ttft_ms, settings.slo.tpot_ms],
+                       "base": settings.base.model_dump(mode="json")}, sort_keys=True)
+
+
+def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Profiler,
+                    progress: Progress, base_placed: Callable[[Shape], Topology]) -> Profile:
+    """Profile every probe shape not already in --out's profiles.json; merge into one."""
+    path = settings.out_dir / PROFILES
+    key = store_key(settings)
+    store = _load(path, key)
+    for shape in probe_shapes([c.shape for c in cands], len(settings.gpus)):
+        if shape.label in store:
+            progress.line(f"profile {shape.label}: kept from {path}")
+            continue
+        progress.line(f"profile {shape.label}: starting")
+        got = profiler(shape, base_placed(shape))
+        store[shape.label] = {"stages": {k: asdict(v) for k, v in got.stages.items()},
+                              "series": got.series, "kv_ms": got.kv_ms,
+                              "sharing_slowdown": got.sharing_slowdown}
+        _save(path, key, store)
+    stages: dict[str, StepCost] = {}
+    kv: list[float] = []
+    sharing = [float(e["sharing_slowdown"]) for e in store.values()
+               if e.get("sharing_slowdown") is not None]
+    for entry in store.values():
+        for key, cost in entry.get("stages", {}).items():
+            stages.setdefault(key, StepCost(**cost))
+        if entry.get("kv_ms") is not None:
+            kv.append(float(entry["kv_ms"]))
+    return Profile(stages, kv_fixed_ms=sum(kv) / len(kv) if kv else 0.0,
+                   sharing_slowdown=max(sharing, default=0.0))
+
+
+def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress: Progress,
+         clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """The whole method; returns the report (the caller writes it)."""
+    started = clock()
+    w = settings.workload
+    tokens = request_tokens(settings.facts, w.images, w.image_size, w.input_len, w.output_len)
+    limits = limits_for(settings.base, settings.facts, settings.gpu_memory, tokens)
+    kept, left_out = candidates(settings.base, settings.gpus, settings.facts, limits)
+    progress.line(f"{len(kept)} candidates on {len(settings.gpus)} device(s); "
+                  f"{len(left_out)} left out (memory)")
+
+    def placed(shape: Shape) -> Topology:
+        from epdctl.tune.candidates import place
+
+        return place(settings.base, shape, settings.gpus[: shape.gpus], limits)
+
+    profile = gather_profiles(kept, settings, profiler, progress, placed)
+    req = RequestShape(w.images, tokens - w.output_len, w.output_len)
+    rows = [Row(c) for c in kept]
+    for row in rows:
+        row.missing = profile.missing(row.candidate.shape)
+        if not row.missing:
+            row.prediction = predict(row.candidate.shape, profile, req, settings.slo,
+                                     requests=settings.sim_requests)
+    ranked = sorted((r for r in rows if r.prediction), key=lambda r: -r.prediction.goodput
+                    if r.prediction else 0.0)
+    progress.line(f"predicted {len(ranked)}; best {ranked[0].candidate.name} "
+                  f"{ranked[0].prediction.goodput:.3g} req/s" if ranked and ranked[0].prediction
+                  else "nothing could be predicted")
+    by_name = {r.candidate.name: r for r in rows}
+    aggregated = [r.candidate.name for r in ranked if r.candidate.shape.kind == "aggregated"]
+    must = aggregated[:1]
+    confirmed_path = settings.out_dir / CONFIRMED
+    kept_runs = _load(confirmed_path, store_key(settings))
+    measured: dict[str, Measured] = {}
+    for name, entry in kept_runs.items():
+        if name in by_name:
+            by_name[name].measured = measured[name] = Measured(
+                name, float(entry["goodput"]), points=tuple(map(tuple, entry["points"])))
+            progress.line(f"confirmed {name}: kept from {confirmed_path}")
+    cost_s = 0.0
+    while True:
+        decision = next_step([(r.candidate.name, r.prediction.goodput) for r in ranked
+                              if r.prediction], measured, must=must,
+                             elapsed_s=clock() - started, budget_s=settings.budget_s,
+                             cost_s=cost_s, max_confirm=settings.max_confirm)
+        if decision.stop or decision.next is None:
+            break
+        row = by_name[decision.next]
+        assert row.prediction is not None
+        progress.line(f"confirm {row.candidate.name} ({row.candidate.shape.label}) near "
+                      f"{row.prediction.goodput:.3g} req/s")
+        t0 = clock()
+        row.measured = measured[row.candidate.name] = confirmer(row.candidate,
+                                                                row.prediction.goodput)
+        cost_s = max(cost_s, clock() - t0)
+        kept_runs[row.candidate.name] = {"goodput": row.measured.goodput,
+                                         "points": [list(p) for p in row.measured.points]}
+        _save(confirmed_path, store_key(settings), kept_runs)
+        spent = clock() - started
+        left = min(settings.budget_s - spent,
+                   cost_s * max(settings.max_confirm - len(measured), 0))
+        progress.line(f"  measured {row.measured.goodput:.3g} req/s; {spent:.0f} s spent, "
+                      f"at most ~{max(left, 0):.0f} s left")
+    best = _best(list(measured.values()))
+    return {
+        "candidates": [r.as_json() for r in ranked] + [r.as_json() for r in rows
+                                                       if not r.prediction],
+        "left_out": [{"shape": s.label, "reason": why} for s, why in left_out],
+        "stop_reason": decision.reason, "not_confirmed": list(decision.left_out),
+        "best": best.name if best else None,
+        "best_goodput": best.goodput if best else None,
+        "elapsed_s": round(clock() - started, 1),
+        "profile": {k: asdict(v) for k, v in profile.stages.items()},
+    }
+
+
+def _best(measured: Sequence[Measured]) -> Measured | None:
+    """The best measured: one that nothing measured is decided to beat, highest goodput."""
+    best: Measured | None = None
+    for m in sorted(measured, key=lambda m: -m.goodput):
+        if best is None or is_better(m, best):
+            best = m
+    return best

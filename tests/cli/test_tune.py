@@ -1,0 +1,72 @@
+"""`epdctl tune`: bad input in one line, and a whole run on the simulated machine (fake
+GPUs and engines, the real proxy; tests/fake_bench.py for `vllm bench serve`)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import Result
+
+from epdctl.topology import load_topology
+from tests.vllm_harness import free_ports
+
+FAKE_BENCH = shlex.join([sys.executable, str(Path(__file__).parents[1] / "fake_bench.py")])
+
+
+def _base(tmp_path: Path) -> Path:
+    cost = tmp_path / "cost.yaml"
+    cost.write_text("time_scale: 0.2\ngpu: {memory: 24GiB}\n"
+                    "model: {heads: 8, weights: 4GiB, encoder_weights: 1GiB, "
+                    "kv_per_token: 64KiB}\n")
+    base = free_ports(8)
+    path = tmp_path / "base.yaml"
+    path.write_text(
+        f"name: sim\nmodel: sim-model\ndevice: cuda\n"
+        f"engine: {{command: [{sys.executable!r}, -m, epdctl.sim.engine, --cost-model, "
+        f"{str(cost)!r}], args: [--max-model-len, '2048']}}\n"
+        f"cache: {{dir: {str(tmp_path / 'shm')!r}}}\nkv: {{connector: ExampleConnector}}\n"
+        f"ports: {{base: {base}, side_channel_base: {base + 5}}}\nproxy: {{port: {base + 4}}}\n"
+        "roles:\n  prefill_decode: {gpus: [0]}\n")
+    return path
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--slo", "ttft=fast"], "--slo: expected METRIC=TIME"),
+    (["--slo", "e2el=2s"], "tune takes ttft and tpot"),
+    (["--slo", "ttft=500", "--gpus", "0,x"], "--gpus: expected distinct GPU indices"),
+    (["--slo", "ttft=500", "--budget", "soon"], "--budget: expected a duration"),
+])
+def test_bad_input_is_one_line(epdctl: Callable[..., Result], tmp_path: Path, args: list[str],
+                               message: str) -> None:
+    result = epdctl("tune", str(_base(tmp_path)), *args,
+                    env={"EPDCTL_FAKE_GPUS": "1"})
+    assert result.exit_code == 1
+    assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.slow  # ~35 s on a loaded 2-core machine: four topologies up and down
+@pytest.mark.timeout(300)
+def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> None:
+    out, best = tmp_path / "out", tmp_path / "best.yaml"
+    result = epdctl("tune", str(_base(tmp_path)), "--slo", "ttft=2000,tpot=200",
+                    "--images", "1", "--image-size", "64x64", "--input-len", "16",
+                    "--output-len", "8", "--num-prompts", "4", "--model-facts",
+                    str(tmp_path / "cost.yaml"), "--out", str(out), "--write", str(best),
+                    "--json", env={"EPDCTL_FAKE_GPUS": "1", "EPDCTL_FAKE_GPU_MEMORY": "24GiB",
+                                   "EPDCTL_PROXY_COMMAND": "", "EPDCTL_BENCH_COMMAND":
+                                   FAKE_BENCH})
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    shapes = sorted(c["shape"] for c in doc["candidates"])
+    assert shapes == ["1E~1PD", "1PD"]
+    assert all(c["measured_goodput"] is not None for c in doc["candidates"])
+    assert {c["bottleneck"] for c in doc["candidates"]} <= {"encode", "prefill_decode"}
+    assert (out / "report.json").is_file() and "| # |" in (out / "report.md").read_text()
+    assert set(json.loads((out / "profiles.json").read_text())["entries"]) == {"1E~1PD", "1PD"}
+    assert (out / "confirmed.json").is_file()
+    assert load_topology(best).name == doc["best"]

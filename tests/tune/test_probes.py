@@ -1,0 +1,96 @@
+"""Probe shapes, and profiling a probe topology on the simulated machine (fake GPUs, fake
+engines, started through the run API)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from epdctl.bench.workload import LoadPoint, Workload
+from epdctl.topology import parse_topology
+from epdctl.tune.candidates import GIB, Limits, Pool, Shape, candidates, place
+from epdctl.tune.facts import ModelFacts
+from epdctl.tune.model import needed_stages
+from epdctl.tune.probes import Bodies, probe_shapes, profile_running
+from tests.vllm_harness import free_ports
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _base(tmp_path: Path) -> dict:
+    cost = tmp_path / "cost.yaml"
+    cost.write_text("time_scale: 0.5\ngpu: {memory: 24GiB}\n"
+                    "model: {weights: 4GiB, encoder_weights: 1GiB, kv_per_token: 64KiB}\n")
+    base = free_ports(8)
+    return {"name": "probe", "model": "sim-model", "device": "cuda",
+            "engine": {"command": [sys.executable, "-m", "epdctl.sim.engine", "--cost-model",
+                                   str(cost)], "args": ["--max-model-len", "2048"]},
+            "cache": {"dir": str(tmp_path / "shm")}, "kv": {"connector": "ExampleConnector"},
+            "ports": {"base": base, "side_channel_base": base + 5},
+            "proxy": {"port": base + 4}, "roles": {"prefill_decode": {}}}
+
+
+def test_probe_shapes_cover_every_stage() -> None:
+    base = parse_topology({"name": "b", "model": "m", "roles": {"prefill_decode": {}}})
+    facts = ModelFacts(heads=8, weights=GIB, encoder_weights=GIB, kv_per_token=1024)
+    kept, _ = candidates(base, list(range(4)), facts, Limits(80 * GIB, 4096))
+    probes = probe_shapes([c.shape for c in kept], 4)
+    covered = {k for p in probes for k in needed_stages(p)}
+    assert {k for c in kept for k in needed_stages(c.shape)} <= covered
+    assert len(probes) <= 12 and all(p.gpus <= 4 for p in probes)
+    assert any(p.shared for p in probes)
+
+
+def test_profile_an_epd_probe_on_fake_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    from epdctl.run import prepare, start_detached, stop
+
+    monkeypatch.setenv("EPDCTL_FAKE_GPUS", "3")
+    monkeypatch.delenv("EPDCTL_PROXY_COMMAND", raising=False)
+    base = parse_topology(_base(tmp_path))
+    shape = Shape("epd", 1, prefill=Pool(1, 1), decode=Pool(1, 1))
+    topology = place(base, shape, [0, 1, 2], Limits(24 * GIB, 2048))
+    path = tmp_path / "probe.yaml"
+    run = prepare(path, tmp_path / "state", topology=topology)
+    state = start_detached(run, 60.0)
+    try:
+        workload = Workload(points=(LoadPoint(),), images=1, image_size=(64, 64),
+                            input_len=16, output_len=8)
+        got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
+                                          levels=(1, 2, 4)))
+    finally:
+        stop(run.sdir, run.sdir.read())
+    assert set(got.stages) == {"encode", "prefill-tp1", "decode-tp1"}
+    assert got.stages["encode"].per_image_ms + got.stages["encode"].fixed_ms > 0
+    assert got.stages["decode-tp1"].fixed_ms > 0
+    assert got.kv_ms is not None and got.kv_ms >= 0
+    assert got.series["decode"]["levels"] == [1, 2, 4]
+
+
+def test_sharing_slowdown_is_profiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from epdctl.run import prepare, start_detached, stop
+
+    monkeypatch.setenv("EPDCTL_FAKE_GPUS", "1")
+    monkeypatch.delenv("EPDCTL_PROXY_COMMAND", raising=False)
+    data = _base(tmp_path)
+    cost = Path(data["engine"]["command"][-1])
+    # a busy neighbour triples a step: far above what a loaded test machine adds
+    cost.write_text(cost.read_text() + "sharing: {slowdown: 2.0}\n"
+                    "encode: {fixed_ms: 10, per_image_ms: 10}\n")
+    base = parse_topology(data)
+    shape = Shape("e-pd", 1, True, pd=Pool(1, 1))
+    topology = place(base, shape, [0], Limits(24 * GIB, 2048))
+    run = prepare(tmp_path / "shared.yaml", tmp_path / "state", topology=topology)
+    state = start_detached(run, 60.0)
+    try:
+        workload = Workload(points=(LoadPoint(),), images=1, image_size=(64, 64),
+                            input_len=16, output_len=8)
+        got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
+                                          levels=(1, 4)))
+    finally:
+        stop(run.sdir, run.sdir.read())
+    assert set(got.stages) == {"encode", "pd-tp1"}
+    assert got.sharing_slowdown is not None and got.sharing_slowdown > 0.5

@@ -1,0 +1,123 @@
+"""Profiling sweeps and fits, against the fake engine's scheduler on a virtual clock (no
+server, no real time): the fits recover the cost model's figures."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from epdctl.sim.costmodel import CostModel
+from epdctl.sim.engine import Engine
+from epdctl.sim.options import parse_options
+from epdctl.sim.requests import parse_work
+from epdctl.sim.scheduler import Scheduler
+from epdctl.tune.profile import (
+    Send,
+    Timing,
+    closed_loop,
+    combine,
+    fit_line,
+    profile_decode,
+    profile_encode,
+    profile_prefill,
+    slowdown,
+)
+
+COST = CostModel.model_validate({
+    "encode": {"fixed_ms": 5, "per_image_ms": 3, "per_mpixel_ms": 0, "max_batch": 16},
+    "prefill": {"fixed_ms": 8, "per_token_ms": 0.02, "per_ktoken2_ms": 0},
+    "decode": {"fixed_ms": 12, "per_seq_ms": 0.5, "per_kctx_ms": 0},
+})
+
+
+class VirtualEngines:
+    """Fake engines by URL, stepping on one virtual clock."""
+
+    def __init__(self, roles: dict[str, list[str]]) -> None:
+        self.now = 0.0
+        self.engines = {url: Engine(COST, parse_options(argv, {}), Scheduler(
+            COST, sleep=self.sleep, clock=lambda: self.now)) for url, argv in roles.items()}
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)
+
+    async def send(self, url: str, body: dict[str, Any]) -> Timing:
+        engine = self.engines[url]
+        job = engine.job(parse_work(body, True, COST.model), body)
+        start = self.now
+        engine.scheduler.submit(job)
+        while await job.events.get():
+            pass
+        first = job.token_times[0] if job.token_times else self.now
+        return Timing(start, first, self.now, job.generated)
+
+    def run(self, coro: Any) -> Any:
+        async def main() -> Any:
+            tasks = [asyncio.create_task(e.scheduler.run()) for e in self.engines.values()]
+            try:
+                return await coro
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        return asyncio.run(main())
+
+
+def body(max_tokens: int | None, text: int = 400) -> Any:
+    def make(n: int) -> dict[str, Any]:
+        content = [{"type": "text", "text": "x" * text}]
+        if max_tokens is None:
+            content = [{"type": "image_url", "image_url": {"url": f"https://i/{n}.png"}}]
+        return {"messages": [{"role": "user", "content": content}],
+                **({"max_tokens": max_tokens} if max_tokens is not None else {})}
+    return make
+
+
+def test_fit_line() -> None:
+    assert fit_line([1, 2, 4], [3, 5, 9]) == pytest.approx((1.0, 2.0))
+    assert fit_line([1, 2], [-1, 4]) == pytest.approx((0.0, 7 / 5))  # through the origin
+    assert fit_line([2, 2], [1, 3]) == (2.0, 0.0)
+
+
+def test_encoder_profile_recovers_the_step_cost() -> None:
+    fake = VirtualEngines({"e": ["m", "--ec-transfer-config", '{"ec_role": "ec_producer"}']})
+    cost, series = fake.run(profile_encode(fake.send, "e", body(None)))
+    assert series.levels == (1, 2, 4, 8)
+    assert cost.fixed_ms == pytest.approx(5.0, rel=0.01)
+    assert cost.per_image_ms == pytest.approx(3.0, rel=0.01)
+
+
+def test_prefill_and_decode_profiles_of_pd() -> None:
+    fake = VirtualEngines({"pd": ["m"]})
+    tokens = 100  # 400 characters
+    prefill, _ = fake.run(profile_prefill(fake.send, "pd", body(1), tokens))
+    assert prefill.fixed_ms == pytest.approx(8.0, rel=0.05)
+    assert prefill.per_token_ms == pytest.approx(0.02, rel=0.05)
+    fake = VirtualEngines({"pd": ["m"]})  # a scheduler lives in one event loop
+    decode, series = fake.run(profile_decode(fake.send, "pd", body(16)))
+    assert decode.fixed_ms == pytest.approx(12.0, rel=0.02)
+    assert decode.per_seq_ms == pytest.approx(0.5, rel=0.02)
+    pd = combine(prefill, decode, max_seqs=64)
+    assert (pd.fixed_ms, pd.per_token_ms, pd.max_seqs) == (decode.fixed_ms,
+                                                          prefill.per_token_ms, 64)
+
+
+def test_closed_loop_keeps_the_full_rounds() -> None:
+    calls: list[int] = []
+
+    async def send(url: str, b: dict[str, Any]) -> Timing:
+        calls.append(b["n"])
+        return Timing(0.0, 0.0, 1.0, 1)
+
+    fn: Send = send
+    timings = asyncio.run(closed_loop(fn, "u", lambda n: {"n": n}, 3, rounds=2, start=10))
+    assert len(timings) == 3 and sorted(calls) == list(range(10, 16))
+
+
+def test_slowdown() -> None:
+    assert slowdown(0.010, 0.015) == pytest.approx(0.5)
+    assert slowdown(0.010, 0.009) == 0.0
+    assert slowdown(0.0, 1.0) == 0.0

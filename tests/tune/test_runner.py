@@ -1,0 +1,112 @@
+"""The tune loop with a stand-in profiler and confirmer: profiles kept and reused, the
+aggregated candidate confirmed, the budget honoured, the best measured one named."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from epdctl.bench.workload import LoadPoint, Workload
+from epdctl.topology import Topology, parse_topology
+from epdctl.tune.candidates import GIB, Candidate, Shape
+from epdctl.tune.decide import Measured
+from epdctl.tune.des import StepCost
+from epdctl.tune.facts import ModelFacts
+from epdctl.tune.model import Slo
+from epdctl.tune.probes import Measurements
+from epdctl.tune.runner import PROFILES, Settings, tune
+
+BASE = parse_topology({"name": "b", "model": "m", "roles": {"prefill_decode": {}}})
+STAGES = {"encode": StepCost(fixed_ms=5, per_image_ms=20),
+          "pd-tp1": StepCost(fixed_ms=10, per_token_ms=0.01, per_seq_ms=0.2),
+          "pd+enc-tp1": StepCost(fixed_ms=10, per_token_ms=0.05, per_seq_ms=0.2),
+          "prefill-tp1": StepCost(fixed_ms=8, per_token_ms=0.01),
+          "decode-tp1": StepCost(fixed_ms=10, per_seq_ms=0.2)}
+
+
+class Log:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def settings(tmp_path: Path, budget_s: float = 1e9) -> Settings:
+    return Settings(base=BASE, gpus=(0, 1, 2), slo=Slo(ttft_ms=500, tpot_ms=50),
+                    workload=Workload(points=(LoadPoint(),), images=1, image_size=(256, 256),
+                                      input_len=64, output_len=16),
+                    facts=ModelFacts(heads=1, weights=GIB, encoder_weights=GIB,
+                                     kv_per_token=1024),
+                    gpu_memory=80 * GIB, out_dir=tmp_path / "out", budget_s=budget_s,
+                    sim_requests=120)
+
+
+def profiler_calls(calls: list[str]):  # type: ignore[no-untyped-def]
+    def profile(shape: Shape, topology: Topology) -> Measurements:
+        calls.append(shape.label)
+        from epdctl.tune.model import needed_stages
+
+        return Measurements({k: STAGES[k] for k in needed_stages(shape)}, kv_ms=2.0)
+    return profile
+
+
+def confirm(candidate: Candidate, knee: float) -> Measured:
+    got = knee * (1.2 if candidate.shape.kind == "e-pd" else 0.9)
+    return Measured(candidate.name, got, points=((got / 2, 1.0), (got * 2, 0.5)))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_tune_predicts_confirms_and_keeps_profiles(tmp_path: Path) -> None:
+    calls: list[str] = []
+    log = Log()
+    report = tune(settings(tmp_path), profiler_calls(calls), confirm, log, Clock())
+    assert calls and (tmp_path / "out" / PROFILES).is_file()
+    rows = report["candidates"]
+    assert all(r["predicted_goodput"] is not None for r in rows)
+    confirmed = [r for r in rows if r["measured_goodput"] is not None]
+    assert any(r["kind"] == "aggregated" for r in confirmed) and len(confirmed) >= 2
+    assert report["best"] in {r["name"] for r in confirmed}
+    best = max(confirmed, key=lambda r: r["measured_goodput"])
+    assert report["best"] == best["name"]
+    assert all(r["prediction_error"] is not None for r in confirmed)
+    again: list[str] = []
+    confirmed: list[str] = []
+
+    def confirm_again(candidate: Candidate, knee: float) -> Measured:
+        confirmed.append(candidate.name)
+        return confirm(candidate, knee)
+
+    second = tune(settings(tmp_path), profiler_calls(again), confirm_again, Log(), Clock())
+    assert again == [] and confirmed == []  # profiles and confirmations kept in --out
+    assert second["best"] == report["best"]
+    other = replace(settings(tmp_path), slo=Slo(ttft_ms=900, tpot_ms=50))
+    tune(other, profiler_calls(again), confirm, Log(), Clock())
+    assert again  # another SLO: profiled again
+
+
+def test_budget_stops_it_and_says_what_was_left_out(tmp_path: Path) -> None:
+    report = tune(settings(tmp_path, budget_s=0.5), profiler_calls([]), confirm, Log(),
+                  Clock())
+    assert "budget" in report["stop_reason"]
+    assert report["best"] is None and report["not_confirmed"]
+
+
+def test_plot_of_a_report(tmp_path: Path) -> None:
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    from epdctl.tune.plot import write_plot
+
+    report = tune(settings(tmp_path), profiler_calls([]), confirm, Log(), Clock())
+    assert write_plot(report, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert not write_plot({"candidates": []}, tmp_path / "none.png")
