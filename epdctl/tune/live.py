@@ -89,15 +89,16 @@ class LiveConfirmer:
     def measure(self, candidate: Candidate, rates: Sequence[float]) -> Measured:
         """Bench the candidate at these Poisson rates (one start); its measured knee."""
         from epdctl.bench.arms import Arm, image_limit
-        from epdctl.bench.runner import greedy_prompts, run_arm
+        from epdctl.bench.runner import greedy_prompts, run_arms
 
         workload = replace(self.workload, points=tuple(LoadPoint(r) for r in rates))
         path = write_topology(candidate.topology,
                               self.out_dir / "candidates" / f"{candidate.name}.yaml")
         arm = Arm(candidate.name, "extra", candidate.topology, path)
-        run = run_arm(arm, workload, self.state_root, self.out_dir / "bench" / candidate.name,
-                      {}, timeout_s=self.timeout_s, progress=_RunnerProgress(self.progress),
-                      prompts=greedy_prompts(image_limit(candidate.topology))[:1])
+        (run,) = run_arms([arm], workload, self.state_root,
+                          self.out_dir / "bench" / candidate.name, timeout_s=self.timeout_s,
+                          progress=_RunnerProgress(self.progress),
+                          prompts=greedy_prompts(image_limit(candidate.topology))[:1])
         points = tuple((rates[p.index], share) for p in run.points
                        if (share := attainment(p.figures)) is not None)
         return Measured(candidate.name, knee(points), points=points)
