@@ -10,10 +10,11 @@ failed it until that instance has begun a new life (a health probe failed, then 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from epdctl.proxy import resume
@@ -122,7 +123,7 @@ class Replayer:
         """The stream, whole events at a time; broken, it goes on elsewhere when it can."""
         sent: list[bytes] = []
         tail = b""
-        adjusting: tuple[int, dict[str, bool]] | None = None  # a continuation's count, state
+        fix: Callable[[bytes], bytes] | None = None  # a continuation's chunks as the client's
         while True:
             try:
                 async for chunk in stream:
@@ -133,12 +134,19 @@ class Replayer:
                         raise UpstreamError(self.generator.decode_stage,
                                             trace.instances.get(self.generator.decode_stage, ""),
                                             "broken", "the engine died")
-                    if adjusting is not None:
-                        whole = resume.adjust(whole, *adjusting)
+                    if fix is not None:
+                        whole = fix(whole)
                     sent.append(whole)
                     yield whole
                 if tail:
                     yield tail
+                return
+            except resume.Diverged as exc:
+                await stream.aclose()  # type: ignore[attr-defined]
+                self._count(self.generator.decode_stage, "failed")
+                log.warning("rid=%s stream not resumed: the answer generated again differs "
+                            "(%s)", trace.rid, exc)
+                yield error_event(f"the answer generated again differs: {exc}")
                 return
             except UpstreamError as exc:
                 await stream.aclose()  # type: ignore[attr-defined]
@@ -146,13 +154,15 @@ class Replayer:
                 if isinstance(outcome, bytes):
                     yield outcome
                     return
-                stream, adjusting = outcome[0], (outcome[1], {})
+                stream, fix = outcome
+                tail = b""  # half an event from the instance that died: never sent
 
     async def _go_on(self, exc: UpstreamError, route: str, body: dict[str, Any] | bytes,
                      sent: bytes, trace: Trace, state: _State
-                     ) -> bytes | tuple[AsyncIterator[bytes], int]:
-        """The continuation's stream and the tokens already sent, or the bytes that end the
-        client's stream: [DONE] (all was sent), or the error event (why: in the log)."""
+                     ) -> bytes | tuple[AsyncIterator[bytes], Callable[[bytes], bytes]]:
+        """The continuation's stream and how its chunks become the client's, or the bytes
+        that end the client's stream: [DONE] (all was sent), or the error event (why: in
+        the log)."""
         stage = self.generator.decode_stage
         as_dict = body if isinstance(body, dict) else json.loads(body)
         so_far = resume.read_so_far(sent, route)
@@ -178,13 +188,21 @@ class Replayer:
             state.replays += 1
             try:
                 count = await self._count_tokens(inst, as_dict, so_far.text, stage, trace)
-                new = resume.continuation(as_dict, route, so_far.text, count)
+                if count == so_far.tokens:  # the text is those tokens: go on after it
+                    new = resume.continuation(as_dict, route, so_far.text, count)
+                    fix: Callable[[bytes], bytes] = functools.partial(resume.adjust,
+                                                                      sent_tokens=count,
+                                                                      state={})
+                    how = "after"
+                else:  # it would tokenize otherwise: the same request again, less the text
+                    new, fix, how = as_dict, resume.Skip(so_far.text, route), "again, less"
                 if new is None:
                     self._count(stage, "ok")
                     return resume.length_finish(so_far, route) + b"data: [DONE]\n\n"
                 trace.notes.append(f"replayed={stage}:{exc.url}>{inst.url}")
-                log.warning("rid=%s resume %d after %d chars: %s, now on %s", trace.rid,
-                            state.replays, len(so_far.text), exc, inst.url)
+                log.warning("rid=%s resume %d %s %d chars (%d tokens): %s, now on %s",
+                            trace.rid, state.replays, how, len(so_far.text), so_far.tokens,
+                            exc, inst.url)
                 answer = await self.generator._attempt(route, new, False, True, trace, {},
                                                        {stage: inst})
             except (StageFailed, UpstreamError) as again:
@@ -205,13 +223,12 @@ class Replayer:
                             answer.status)
                 return error_event(str(exc))
             self._count(stage, "ok")
-            return answer.stream, count
+            return answer.stream, fix
 
     async def _count_tokens(self, inst: Instance, body: dict[str, Any], text: str,
                             stage: str, trace: Trace) -> int:
-        """How many tokens the client was sent (the instance's own /tokenize), when the
-        limits or the usage depend on it."""
-        if not text or not resume.needs_count(body):
+        """How many tokens the text sent so far is, by the instance's own /tokenize."""
+        if not text:
             return 0
         payload = dumps({"model": body.get("model"), "prompt": text,
                          "add_special_tokens": False})

@@ -23,6 +23,8 @@ class SoFar:
     """The client's stream up to the break."""
 
     text: str = ""
+    tokens: int = 0
+    """Content chunks sent: vLLM streams one per token (without tool or reasoning parsers)."""
     is_finished: bool = False
     """A finish_reason was sent: only the usage chunk and [DONE] may be missing."""
     is_done: bool = False
@@ -91,8 +93,9 @@ def read_so_far(sent: bytes, route: str) -> SoFar:
             if delta.get("reasoning_content") or delta.get("reasoning"):
                 so_far.why_not = "reasoning cannot be continued"
             piece = delta.get("content") if route == CHAT else delta.get("text")
-            if isinstance(piece, str):
+            if isinstance(piece, str) and "role" not in delta:
                 pieces.append(piece)
+                so_far.tokens += 1
             if choice.get("finish_reason") is not None:
                 so_far.is_finished = True
     so_far.text = "".join(pieces)
@@ -132,14 +135,6 @@ def why_not(body: dict[str, Any], route: str) -> str | None:
             isinstance(last, dict) and isinstance(last.get("content"), str)):
         return "a final message to continue that is not text"
     return None
-
-
-def needs_count(body: dict[str, Any]) -> bool:
-    """Whether going on needs the number of tokens already sent (limits, usage)."""
-    options = body.get("stream_options")
-    return any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens",
-                                                      "min_tokens")) or (
-        isinstance(options, dict) and bool(options.get("include_usage")))
 
 
 def continuation(body: dict[str, Any], route: str, text: str, sent_tokens: int
@@ -223,3 +218,45 @@ def _is_opening(event: dict[str, Any]) -> bool:
                 or delta.get("tool_calls"):
             return False
     return True
+
+
+class Diverged(Exception):
+    """The answer generated again is not the one the client was already sent."""
+
+
+class Skip:
+    """A stream generated again from the start, less the text the client already has
+    (checked as it goes): when the text so far would not tokenize back into the tokens
+    that were generated, only the same request, whole, gives the same answer."""
+
+    def __init__(self, text: str, route: str) -> None:
+        self.left = text
+        self.key = "content" if route == CHAT else "text"
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if not self.left:
+            return chunk
+        out = []
+        for raw in _EVENT_END.split(chunk)[:-1]:
+            event = events(raw + b"\n\n")[0]
+            choices = event.get("choices") if isinstance(event, dict) else None
+            if not self.left or not choices or not isinstance(choices[0], dict):
+                out.append(raw + b"\n\n")
+                continue
+            choice = choices[0]
+            delta = choice.get("delta", {}) if self.key == "content" else choice
+            piece = delta.get(self.key) if isinstance(delta, dict) else None
+            if not isinstance(piece, str) or "role" in delta:
+                if choice.get("finish_reason") is not None:
+                    raise Diverged("it ended sooner")
+                continue  # the opening chunk: the client had one
+            n = min(len(piece), len(self.left))
+            if piece[:n] != self.left[:n]:
+                raise Diverged(f"{piece[:n]!r} where {self.left[:n]!r} was sent")
+            self.left = self.left[n:]
+            if n == len(piece) and choice.get("finish_reason") is None:
+                continue
+            delta = {**delta, self.key: piece[n:]}
+            choice = {**choice, "delta": delta} if self.key == "content" else delta
+            out.append(sse_data({**event, "choices": [choice, *choices[1:]]}))
+        return b"".join(out)
