@@ -206,15 +206,16 @@ def adjust(chunk: bytes, sent_tokens: int, state: dict[str, bool]) -> bytes:
 
 
 def _is_opening(event: dict[str, Any]) -> bool:
-    """vLLM's first chunk: a role and no content, nor usage, nor finish."""
+    """vLLM's first chat chunk: a role and no content, nor usage, nor finish (a completion
+    stream has none)."""
     choices = event.get("choices")
     if not isinstance(choices, list) or not choices or event.get("usage"):
         return False
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
             return False
-        delta = choice.get("delta", choice)
-        if not isinstance(delta, dict) or delta.get("content") or delta.get("text") \
+        delta = choice.get("delta")
+        if not isinstance(delta, dict) or "role" not in delta or delta.get("content") \
                 or delta.get("tool_calls"):
             return False
     return True
