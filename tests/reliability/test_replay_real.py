@@ -149,8 +149,8 @@ def replays(probe: Probe, since: int) -> tuple[int, int]:
 
 def test_references(probe: Probe) -> None:
     """The references, before any fault; the proxy's answers equal them."""
-    for seed in SEEDS:
-        reference(probe, seed)
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        list(pool.map(lambda seed: reference(probe, seed), SEEDS))
     assert whole(probe.proxy, request(1)) == reference(probe, 1)[0]
     assert pieces(probe.proxy, request(2)) == reference(probe, 2)[1]
     assert len({reference(probe, s)[0] for s in SEEDS}) > 1
