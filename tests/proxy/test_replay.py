@@ -345,3 +345,12 @@ async def test_the_journey_shows_both_attempts(rig_factory, caplog, tmp_path):
     assert f"replayed=prefill_decode:http://{pd0}>http://{pd1}" in summary.text
     assert any("resume 1" in line.text and f"now on http://{pd1}" in line.text
                for line in journey.lines)
+
+
+async def test_vllms_dead_engine_event_mid_stream_is_resumed_not_sent(rig_factory):
+    rig = pd2(rig_factory)
+    pd0, pd1 = order(rig)
+    rig.fakes.then(pd0, lambda seen: sse_response(*HEAD, sse(DEAD)))  # then it goes down
+    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(*REST))
+    r = await rig.chat("hi", stream=True)
+    assert r.content == b"".join([*HEAD, *REST[1:]])
