@@ -23,7 +23,7 @@ from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.generate import Answer, Generator, StageFailed
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import dumps, upstream_headers
+from epdctl.proxy.routing import CHAT, dumps, upstream_headers
 from epdctl.proxy.sse import error_event
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Instance, Upstreams
@@ -188,7 +188,10 @@ class Replayer:
             state.replays += 1
             try:
                 count = await self._count_tokens(inst, as_dict, so_far.text, stage, trace)
-                if count == so_far.tokens:  # the text is those tokens: go on after it
+                # A chat template may trim a prefix's trailing spaces: then the same way
+                # as a text that would not tokenize back into the tokens sent.
+                is_kept = route != CHAT or so_far.text == so_far.text.rstrip()
+                if count == so_far.tokens and is_kept:  # those tokens: go on after them
                     new = resume.continuation(as_dict, route, so_far.text, count)
                     fix: Callable[[bytes], bytes] = functools.partial(resume.adjust,
                                                                       sent_tokens=count,

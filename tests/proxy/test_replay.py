@@ -354,3 +354,15 @@ async def test_vllms_dead_engine_event_mid_stream_is_resumed_not_sent(rig_factor
     rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(*REST))
     r = await rig.chat("hi", stream=True)
     assert r.content == b"".join([*HEAD, *REST[1:]])
+
+
+async def test_a_chat_prefix_ending_in_a_space_is_generated_again(rig_factory):
+    rig = pd2(rig_factory)
+    pd0, pd1 = order(rig)
+    rig.fakes.then(pd0, breaks(HEAD[0], sse(chat_chunk("Hel "))))
+    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(
+        HEAD[0], sse(chat_chunk("Hel ")), sse(chat_chunk("lo")), *REST[2:]))
+    r = await rig.chat("hi", stream=True)
+    assert texts(r.content)[0] == "Hel lo"
+    [again] = rig.fakes.to(pd1, "/v1/chat/completions")
+    assert again.raw == rig.fakes.to(pd0)[0].raw
