@@ -39,7 +39,7 @@ SEEDS = range(1, REQUESTS + 1)
 @pytest.fixture(scope="module")
 def run(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TopologyRun]:
     tmp = tmp_path_factory.mktemp("replay")
-    with store_root(tmp) as (cache_dir, _):
+    with store_root(tmp) as (cache_dir, is_small):
 
         def change(data: dict[str, Any]) -> None:
             args = data["engine"]["args"]
@@ -48,6 +48,8 @@ def run(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             data["roles"]["prefill_decode"]["replicas"] = 2
             data["restart"] = {"policy": "on-failure", "max_restarts": 3, "backoff": "1s"}
             data["proxy"]["replay_wait"] = f"{REPLAY_WAIT_S}s"
+            if is_small:
+                data["cache"]["capacity"] = "2MiB"  # the tmpfs is 4 MiB
 
         with topology("cpu-demo", tmp, tiny_llava, cache_dir, change) as running:
             yield running
