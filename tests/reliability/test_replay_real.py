@@ -2,8 +2,8 @@
 `restart: on-failure`), temperature 0:
 
 1. pd-0 SIGKILLed under 12 concurrent image requests, half streamed: requests waiting or
-   half answered go on at pd-1, and every answer equals the aggregated one (streams token
-   by token), none lost.
+   half answered go on at pd-1, and every answer equals the aggregated one (streams by the
+   text their deltas add up to), none lost.
 2. Both PDs SIGKILLed under 12 more: no instance is healthy, as with one PD; the requests
    wait for the restarted ones (inside `proxy.replay_wait`) and again all answer exactly.
 
@@ -131,9 +131,15 @@ def under_load(probe: Probe, kill: list[str]) -> tuple[dict[int, Any], float]:
 
 
 def check_exact(probe: Probe, answers: dict[int, Any]) -> None:
+    """Every answer equals the aggregated one; a stream's text, delta after delta, too
+    (vLLM merges deltas a slow reader has not taken yet, so chunks may hold several tokens,
+    and differ from run to run: only the text they add up to is the answer)."""
     for seed, got in answers.items():
         text, stream = reference(probe, seed)
-        assert got == (stream if seed % 2 == 0 else text), seed
+        if seed % 2 == 0:
+            assert "".join(got) == "".join(stream) == text, seed
+        else:
+            assert got == text, seed
 
 
 def wait_ready(probe: Probe, restarts: dict[str, int]) -> None:
@@ -154,7 +160,7 @@ def test_references(probe: Probe) -> None:
     with ThreadPoolExecutor(REQUESTS) as pool:
         list(pool.map(lambda seed: reference(probe, seed), SEEDS))
     assert whole(probe.proxy, request(1)) == reference(probe, 1)[0]
-    assert pieces(probe.proxy, request(2)) == reference(probe, 2)[1]
+    assert "".join(pieces(probe.proxy, request(2))) == "".join(reference(probe, 2)[1])
     assert len({reference(probe, s)[0] for s in SEEDS}) > 1
 
 
