@@ -24,7 +24,7 @@ class SoFar:
 
     text: str = ""
     tokens: int = 0
-    """Content chunks sent: vLLM streams one per token (without tool or reasoning parsers)."""
+    """Content chunks sent: one per token unless vLLM merged some (a reader that lags)."""
     is_finished: bool = False
     """A finish_reason was sent: only the usage chunk and [DONE] may be missing."""
     is_done: bool = False
