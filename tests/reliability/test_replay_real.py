@@ -187,7 +187,7 @@ def test_no_pd_left_waits_for_the_restart(probe: Probe) -> None:
     print(f"\nevery PD killed: all {REQUESTS} answered exactly after the restart; "
           f"{replayed} replayed, {resumed} streams resumed; the last answer {took_s:.1f}s "
           "after the kill")
-    assert resumed >= 1
+    assert replayed + resumed >= 1  # they did wait for the restart (not one was lost)
     wait_ready(probe, {"pd-0": restarts["pd-0"] + 1, "pd-1": restarts["pd-1"] + 1})
 
 
