@@ -198,6 +198,10 @@ class Proxy(BaseModel):
     """Deadline for the first byte from decode (or PD); later chunks use the idle timeout."""
     stream_idle_timeout: Seconds = _PROXY["stream_idle_timeout_s"]
     """Longest silence allowed between two chunks of a streamed answer."""
+    replay_wait: Seconds = _PROXY["replay_wait_s"]
+    """How long a request whose PD, P or D instance died waits for one of that role to be
+    ready again (the restarted one) when no other is healthy; it is then replayed, or a
+    broken stream resumed, there. Keep it under your clients' timeouts."""
     max_inflight: Annotated[Int, Field(ge=1)] = _PROXY["max_inflight"]
     """Requests served at once; more get 503 with Retry-After."""
 

@@ -65,6 +65,9 @@ class ProxyConfig:
                                    is_shown=True)
     stream_idle_timeout_s: float = knob(60.0, "--stream-idle-timeout", "seconds allowed "
                                         "between two chunks of a stream", is_shown=True)
+    replay_wait_s: float = knob(60.0, "--replay-wait", "seconds a request whose final stage "
+                                "(or prefill) died waits for an instance of that role to be "
+                                "ready again, when no other is healthy, before it fails")
     max_inflight: int = knob(256, "--max-inflight", "requests served at once; more get 503 "
                              "with Retry-After", is_shown=True)
     metadata_rewrite: bool = knob(True, "--metadata-rewrite", "send PD E's *_embeds metadata "

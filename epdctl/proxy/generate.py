@@ -116,18 +116,23 @@ class Generator:
                 return await self._attempt(route, body, may_fall_back, is_stream, trace, avoid)
             except StageFailed as failed:
                 avoid[failed.stage] = failed.inst
+                trace.failed.append((failed.stage, failed.inst.url))
                 next_attempt(failed, attempt, is_rewritten, trace, self.metrics)
                 body, is_rewritten = second, False
         raise AssertionError("unreachable")
 
     async def _attempt(self, route: str, body: dict[str, Any] | bytes, may_fall_back: bool,
-                       is_stream: bool, trace: Trace, avoid: dict[str, Instance]) -> Answer:
+                       is_stream: bool, trace: Trace, avoid: dict[str, Instance],
+                       chosen: dict[str, Instance] | None = None) -> Answer:
+        """`chosen`: the instance of a stage replay.py picked (else the pool picks)."""
+        chosen = chosen or {}
         if self.prefill_pool is not None:
             as_dict = body if isinstance(body, dict) else jsonio.loads(body)
             if route != RESPONSES or needs_prefill(as_dict):
-                kv = await self._prefill(route, as_dict, trace, avoid.get("prefill"))
+                kv = await self._prefill(route, as_dict, trace, avoid.get("prefill"),
+                                         chosen.get("prefill"))
                 body = decode_body(as_dict, kv)
-        inst = self.decode_pool.pick(avoid.get(self.decode_stage))
+        inst = chosen.get(self.decode_stage) or self.decode_pool.pick(avoid.get(self.decode_stage))
         return await self._decode(route, body, may_fall_back, is_stream, trace, inst)
 
     async def answer_from(self, inst: Instance, route: str, body: dict[str, Any],
@@ -136,10 +141,10 @@ class Generator:
         return await self._decode(route, body, may_fall_back, is_stream, trace, inst)
 
     async def _prefill(self, route: str, body: dict[str, Any], trace: Trace,
-                       avoid: Instance | None) -> object:
+                       avoid: Instance | None, chosen: Instance | None = None) -> object:
         """P's kv_transfer_params, for D to pull the KV from."""
         assert self.prefill_pool is not None
-        inst = self.prefill_pool.pick(avoid)
+        inst = chosen or self.prefill_pool.pick(avoid)
         trace.instances["prefill"] = inst.url
         headers = upstream_headers(f"{trace.rid}:prefill")
         timeout_s = self.config.prefill_timeout_s
@@ -237,6 +242,8 @@ async def relay(head: bytes, chunks: AsyncIterator[bytes], reply: Reply, inst: I
         yield error_event(f"{stage} instance {inst.url}: no data in {idle_s}s")
     except UpstreamError as exc:
         trace.notes.append("stream_broken=1")
+        if trace.is_resumable:
+            raise  # replay.py goes on elsewhere
         yield error_event(str(exc))
     finally:
         inst.outstanding -= 1

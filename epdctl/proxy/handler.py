@@ -22,6 +22,7 @@ from epdctl.proxy.metrics import Metrics, outcome_of
 from epdctl.proxy.mooncake import MooncakeRoute
 from epdctl.proxy.passthrough import Passthrough
 from epdctl.proxy.pending import Overlap, PendingMarks
+from epdctl.proxy.replay import Replayer
 from epdctl.proxy.routing import (
     CHAT,
     CONTENT_FIELDS,
@@ -83,6 +84,7 @@ class ProxyHandler:
                 self.overlap = Overlap(PendingMarks(self.lookup.store), self.encoder,
                                        config.encode_timeout_s)
         self.generator = Generator(config, self.upstreams, client, self.metrics)
+        self.replayer = Replayer(config, self.upstreams, self.generator, client, self.metrics)
         self.passthrough = Passthrough(config, self.upstreams, client, self.metrics)
         self.mooncake = None
         if self.encoder is not None and config.ec_protocol == "mooncake":
@@ -239,12 +241,12 @@ class ProxyHandler:
                 # Media the proxy cannot key (bad base64, a URL it cannot fetch): PD gets
                 # the body as it came and answers for it, as vLLM would.
                 trace.notes.append("media_unkeyed=1")
-                return await self.generator.run(route, first, first, False, stream, trace)
+                return await self.replayer.run(route, first, first, False, stream, trace)
             self.metrics.keyed_by["content"].inc(by_content)
             if self.mooncake is not None:
                 return await self.mooncake.run(route, body, items, stream, trace)
             first, second, is_rewritten = await self._encode(route, body, items, trace)
-        return await self.generator.run(route, first, second, is_rewritten, stream, trace)
+        return await self.replayer.run(route, first, second, is_rewritten, stream, trace)
 
     def _scoped_raw(self, route: str, raw: bytes) -> bytes:
         """A body the proxy does not take, with no client uuid left as sent either: vLLM may

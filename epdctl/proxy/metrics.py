@@ -56,6 +56,11 @@ class Metrics:
         self.retries = Counter(
             "epdctl_proxy_retries", "Retries on another instance, by stage.", ["stage"],
             registry=registry)
+        self.replays = Counter(
+            "epdctl_proxy_replays", "Requests replayed (or streams resumed) after the "
+            "instance serving them died, by stage and outcome: ok, failed (that attempt "
+            "failed too), no_instance (none ready within replay_wait), not_resumable (a "
+            "stream that cannot go on exactly).", ["stage", "outcome"], registry=registry)
         self.inflight = Gauge(
             "epdctl_proxy_inflight_requests", "Requests being served.", registry=registry)
         self.instance_up = Gauge(

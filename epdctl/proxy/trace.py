@@ -23,6 +23,10 @@ class Trace:
     retries: int = 0
     fallbacks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    """(stage, url) of each attempt that failed before the client got a byte."""
+    is_resumable: bool = False
+    """A broken stream raises to replay.py, which resumes it, instead of ending it."""
     encoding: asyncio.Task[None] | None = None
     """The E stage still running beside PD (overlap): the line waits for its timings."""
 

@@ -28,6 +28,8 @@ class Instance:
     failures: int = 0
     """Consecutive failed health probes."""
     is_ejected: bool = False
+    lives: int = 0
+    """Probes that succeeded after a failed one: a new life (a restart) begins with each."""
 
 
 @dataclass(eq=False)
@@ -84,12 +86,19 @@ class Upstreams:
                       for role, urls in roles.items() if urls}
         # Encoders are optional: without one, PD encodes the media itself.
         self.required = [r for r in ("prefill_decode", "prefill", "decode") if r in self.pools]
+        self.revived: set[asyncio.Future[None]] = set()
+        """Set when an instance begins a new life (replay.py waits on them)."""
 
     def record_probe(self, inst: Instance, is_ok: bool) -> None:
         """Eject after `eject_after` consecutive failures; one success re-admits."""
         if is_ok:
             if inst.is_ejected:
                 log.warning("re-admitting %s instance %s", inst.role, inst.url)
+            if inst.failures:
+                inst.lives += 1
+                for waiter in self.revived:
+                    if not waiter.done():
+                        waiter.set_result(None)
             inst.failures = 0
             inst.is_ejected = False
             return

@@ -26,6 +26,8 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
     def make(fakes: Fakes | None = None, **kwargs: Any) -> Rig:
         fakes = fakes or Fakes()
         kwargs.setdefault("models", (MODEL,))
+        # No health probes run here, so nothing dead comes back: don't wait for it.
+        kwargs.setdefault("replay_wait_s", 0.01)
         if not kwargs.get("prefill"):
             kwargs.setdefault("prefill_decode", ("http://pd0",))
         config = ProxyConfig(**kwargs)

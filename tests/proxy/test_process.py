@@ -172,7 +172,8 @@ def test_process_maps_a_dead_instance_to_502(tmp_path, has_speedups):
     start = ["-m", "epdctl.proxy"] if has_speedups else ["-c", WITHOUT_SPEEDUPS]
     proc = subprocess.Popen(
         [sys.executable, *start, "--port", str(port), "--model", MODEL,
-         "--prefill-decode", f"http://127.0.0.1:{dead}", "--health-interval", "0.2"],
+         "--prefill-decode", f"http://127.0.0.1:{dead}", "--health-interval", "0.2",
+         "--replay-wait", "0.1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 20

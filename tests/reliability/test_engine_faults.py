@@ -59,6 +59,9 @@ def run(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             data["restart"] = {"policy": "on-failure", "max_restarts": 2, "backoff": "1s"}
             data["proxy"]["encode_timeout"] = ENCODE_TIMEOUT_S
             data["proxy"]["overlap"] = True  # faults in E with requests waiting at PD
+            # What the client gets when PD is not back in time: test_replay_real.py has
+            # the replays and resumed streams.
+            data["proxy"]["replay_wait"] = "1s"
             if is_small:
                 data["cache"]["capacity"] = "2MiB"  # the tmpfs is 4 MiB
 
