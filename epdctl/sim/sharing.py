@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 SIM_DIR_ENV = "EPDCTL_SIM_DIR"
 RUN_DIR_ENV = "EPDCTL_RUN_DIR"  # the launcher's mark (epdctl.launcher.MARK_DIR)
 
@@ -24,16 +26,6 @@ def sim_dir(environ: Mapping[str, str] | None = None) -> Path:
     if environ.get(RUN_DIR_ENV):
         return Path(environ[RUN_DIR_ENV]) / "sim-gpus"
     return Path(tempfile.gettempdir()) / f"epdctl-sim-{os.getuid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class GpuShare:
@@ -52,7 +44,7 @@ class GpuShare:
             count = 0
             for mark in path.glob("*.busy"):
                 pid = int(mark.stem) if mark.stem.isdigit() else -1
-                if pid != self.pid and pid > 0 and _alive(pid):
+                if pid != self.pid and pid > 0 and psutil.pid_exists(pid):
                     count += 1
             most = max(most, count)
         return most
