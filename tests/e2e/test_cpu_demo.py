@@ -343,7 +343,8 @@ def test_the_proxy_answers_as_pd_does(demo: tuple[TopologyRun, Server]) -> None:
     vLLM's refusals, straight to pd-0 and through the proxy: same status, body, outputs."""
     run, _ = demo
     with missing_image() as missing:
-        assert compare(run.instance_url("pd-0"), run.proxy_url, missing) == {}
+        assert compare(run.instance_url("pd-0"), run.proxy_url, missing,
+                       direct_key=run.state().internal_key) == {}  # pd-0 wants the run's key
 
 
 def test_responses_image_is_loaded_from_the_store(demo: tuple[TopologyRun, Server]) -> None:

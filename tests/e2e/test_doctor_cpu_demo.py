@@ -58,7 +58,7 @@ def test_cpu_demo_is_ready_to_go_up(tiny_llava: Path, tmp_path: Path) -> None:
         "vllm": "ok", "plugin": "ok", "kv-connector": "skip", "ec-connector": "skip",
         "gpus": "skip",
         "placement": "ok", "gpu-memory": "skip", "ec-store": "ok", "ports": "ok",
-        "model": "ok", "combination": "ok"}
+        "model": "ok", "combination": "ok", "safety": "ok"}
     assert checks["vllm"]["detail"] == (
         f"vLLM {_vllm_version()} (`{sys.executable} -m epdctl.engines.vllm_cpu --version`)")
     assert checks["plugin"]["detail"].startswith("`epdctl_ec` loads in ")

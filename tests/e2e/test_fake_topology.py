@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import FAKE_PROXY, is_running, run_pids
+from tests.e2e.topology_run import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -55,8 +56,11 @@ def test_detached_round_trip(fake_topology, state_root) -> None:
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
     reply = httpx.post(f"{doc['proxy_url']}/v1/chat/completions", json=body)
     assert reply.status_code == 200
-    logs = epdctl(env, "logs", "-n", "5", "proxy")
-    assert "proxy | fake: POST /v1/chat/completions" in logs.stdout
+    # `|`: the line's time is when it was written, which the supervisor notes as the log
+    # grows (at its next look); until then `~` (a lower bound).
+    line = "proxy | fake: POST /v1/chat/completions"
+    assert wait_for(lambda: line in epdctl(env, "logs", "-n", "5", "proxy").stdout, 30), \
+        epdctl(env, "logs", "-n", "5", "proxy").stdout
     pids = run_pids(state_root)
     down = epdctl(env, "down")
     assert down.returncode == 0, down.stderr

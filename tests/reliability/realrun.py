@@ -38,7 +38,7 @@ def store_root(tmp: Path, size: str = "4m") -> Iterator[tuple[Path, bool]]:
     small.mkdir()
     may_mount = os.geteuid() == 0 and not os.environ.get("EPDCTL_TEST_NO_TMPFS")
     is_mounted = may_mount and shutil.which("mount") is not None and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "epdctl-test", str(small)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "epdctl-test", str(small)],
         capture_output=True).returncode == 0
     path = small if is_mounted else Path(f"/dev/shm/epdctl-test-{uuid.uuid4().hex[:8]}")
     try:
