@@ -69,7 +69,7 @@ def reference(probe: Probe, seed: int) -> str:
     if seed not in REFERENCES:
         key, url = image(seed)
         REFERENCES[seed] = answer(probe.urls["pd-0"], body(MODEL, urls=(url,),
-                                                           uuid_=f"ref-{key}"))
+                                                           uuid_=f"ref-{key}"), key=probe.key)
     return REFERENCES[seed]
 
 

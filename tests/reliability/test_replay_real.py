@@ -66,11 +66,13 @@ def request(seed: int, **extra: Any) -> dict[str, Any]:
 
 
 def pieces(base: str, req: dict[str, Any], started: list[int] | None = None,
-           seed: int = 0) -> list[str]:
-    """A stream's content deltas, one per token; it must end with [DONE] and no error."""
+           seed: int = 0, key: str | None = None) -> list[str]:
+    """A stream's content deltas, one per token; it must end with [DONE] and no error
+    (`key`: an instance wants the run's internal key)."""
     out: list[str] = []
+    headers = {"authorization": f"Bearer {key}"} if key else {}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json={**req, "stream": True},
-                      timeout=REPLAY_WAIT_S + 120) as reply:
+                      timeout=REPLAY_WAIT_S + 120, headers=headers) as reply:
         assert reply.status_code == 200, reply.read()
         lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
         for line in lines:
@@ -87,8 +89,10 @@ def pieces(base: str, req: dict[str, Any], started: list[int] | None = None,
     return out
 
 
-def whole(base: str, req: dict[str, Any]) -> str:
-    reply = httpx.post(f"{base}/v1/chat/completions", json=req, timeout=REPLAY_WAIT_S + 120)
+def whole(base: str, req: dict[str, Any], key: str | None = None) -> str:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    reply = httpx.post(f"{base}/v1/chat/completions", json=req, timeout=REPLAY_WAIT_S + 120,
+                       headers=headers)
     assert reply.status_code == 200, reply.text
     return str(reply.json()["choices"][0]["message"]["content"])
 
@@ -102,7 +106,8 @@ def reference(probe: Probe, seed: int) -> tuple[str, list[str]]:
         key = image(seed)[0]
         req = {**request(seed), "messages": body(MODEL, urls=(image(seed)[1],),
                                                  uuid_=f"ref-{key}")["messages"]}
-        REFERENCE[seed] = (whole(probe.urls["pd-0"], req), pieces(probe.urls["pd-0"], req))
+        pd = probe.urls["pd-0"]
+        REFERENCE[seed] = (whole(pd, req, probe.key), pieces(pd, req, key=probe.key))
     return REFERENCE[seed]
 
 
