@@ -210,3 +210,17 @@ class Probe:
             except psutil.Error:
                 out[name] = 0
         return out
+
+
+_REFERENCES: dict[tuple[str, int], str] = {}
+
+
+def reference(probe: Probe, seed: int, model: str = "tiny-llava") -> str:
+    """PD's own answer for image `seed` under a private uuid (nothing from the store),
+    computed once per PD URL (temperature 0: a restarted PD answers the same)."""
+    pd = probe.urls["pd-0"]
+    if (pd, seed) not in _REFERENCES:
+        key, url = image(seed)
+        _REFERENCES[pd, seed] = answer(pd, body(model, urls=(url,), uuid_=f"ref-{key}"),
+                                       key=probe.key)
+    return _REFERENCES[pd, seed]

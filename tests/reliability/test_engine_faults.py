@@ -34,6 +34,7 @@ from tests.reliability.realrun import (
     broken_store,
     debug_logs,
     image,
+    reference,
     store_root,
     streamed,
     topology,
@@ -74,16 +75,6 @@ def probe(run: TopologyRun) -> Probe:
     return Probe(run)
 
 
-REFERENCES: dict[int, str] = {}
-
-
-def reference(probe: Probe, seed: int) -> str:
-    """PD's own answer for image `seed` under a private uuid (computed once, before faults)."""
-    if seed not in REFERENCES:
-        key, url = image(seed)
-        REFERENCES[seed] = answer(probe.urls["pd-0"], body(MODEL, urls=(url,),
-                                                           uuid_=f"ref-{key}"), key=probe.key)
-    return REFERENCES[seed]
 
 
 def ask(probe: Probe, seed: int, *, stream: bool = False) -> str:

@@ -27,6 +27,7 @@ from tests.reliability.realrun import (
     body,
     debug_logs,
     image,
+    reference,
     store_root,
     topology,
 )
@@ -61,16 +62,6 @@ def healthy(probe: Probe) -> None:
     assert ask(probe, 100) == reference(probe, 100)
 
 
-REFERENCES: dict[int, str] = {}
-
-
-def reference(probe: Probe, seed: int) -> str:
-    """PD's own answer for image `seed` under a private uuid (nothing from the store)."""
-    if seed not in REFERENCES:
-        key, url = image(seed)
-        REFERENCES[seed] = answer(probe.urls["pd-0"], body(MODEL, urls=(url,),
-                                                           uuid_=f"ref-{key}"), key=probe.key)
-    return REFERENCES[seed]
 
 
 def ask(probe: Probe, seed: int, timeout_s: float = DECODE_TIMEOUT_S + 20) -> str:
