@@ -81,7 +81,8 @@ def _pooled(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def point_row(arm: str, index: int, label: str, points: Sequence[PointRun]) -> dict[str, Any]:
     """One arm at one load point, every round of it kept (figures are filled in later)."""
     rounds: list[dict[str, Any]] = [
-        {"round": p.round, "seq": p.seq, "figures": p.figures, "proxy": p.proxy,
+        {"round": p.round, "seq": p.seq, "start": p.start, "figures": p.figures,
+         "proxy": p.proxy,
          "store": p.store, "elapsed_s": round(p.elapsed_s, 2), "argv": p.argv,
          "samples": p.samples.as_json() if p.samples is not None else None}
         for p in sorted(points, key=lambda p: p.round)]
@@ -95,7 +96,10 @@ def summary_of(r: Mapping[str, Any], has_slo: bool, seed: int) -> Summary | None
     """The row's estimates and intervals from its rounds' samples (None: none saved)."""
     if any(x.get("samples") is None for x in r["rounds"]):
         return None
-    return summarize([Round.from_json(x["samples"]) for x in r["rounds"]], has_slo, seed)
+    # A report from before starts were recorded: its rounds count as one start (the
+    # cautious reading: nothing then measured how far one start lands from the next).
+    return summarize([Round.from_json(x["samples"]) for x in r["rounds"]], has_slo, seed,
+                     starts=[int(x.get("start") or 0) for x in r["rounds"]])
 
 
 def finish(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:

@@ -55,6 +55,9 @@ class PointRun:
     """Its completed requests (None: a result without per-request data)."""
     seq: int = 0
     """Its place in the whole bench's run order."""
+    start: int = 0
+    """Which start of its arm it ran on (0: the first; a round the arm stayed up for shares
+    the start of the round before)."""
 
 
 @dataclass
@@ -131,6 +134,7 @@ def run_arms(arms: Sequence[Arm], workload: Workload, state_root: Path, work_dir
                     point = _run_point(arm, workload, index, up.state, work_dir, datasets,
                                        up.ns_dir, progress, list(runs.values()), round_)
                     point.seq = seq
+                    point.start = runs[arm.name].starts - 1
                     runs[arm.name].points.append(point)
             round_ += 1
     finally:

@@ -3,9 +3,12 @@ Python, stdlib `random`: no numpy for a few hundred samples x 2000 resamples).
 
 Over requests (R < 3 rounds): each round's requests are resampled within that round.
 Over rounds (R >= 3): rounds are resampled, then the requests within each drawn round, so a
-drift between rounds widens the interval. A round's req/s is vLLM's; a resample's is that
-scaled by the round's mean latency over the resample's (at a fixed concurrency, throughput
-goes as 1 / latency); goodput is req/s times the resample's share of good requests.
+drift between rounds widens the interval (the table's intervals). What a bootstrap within
+one start cannot see (how far one start of the arm lands from the next) is added where
+verdicts compare arms (`epdctl.bench.verdicts`), from each start's own estimate kept here.
+A round's req/s is vLLM's; a resample's is that scaled by the round's mean latency over
+the resample's (at a fixed concurrency, throughput goes as 1 / latency); goodput is req/s
+times the resample's share of good requests.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from epdctl.bench.samples import Request, Round
 
@@ -66,23 +69,48 @@ def figures(parts: Sequence[tuple[Round, Sequence[Request]]], has_slo: bool
     return out
 
 
-def resample(rounds: Sequence[Round], rng: random.Random, has_slo: bool
-             ) -> dict[str, float | None]:
-    """One bootstrap replicate (over rounds too where there are OVER_ROUNDS or more)."""
-    chosen = [rng.choice(rounds) for _ in rounds] if len(rounds) >= OVER_ROUNDS else rounds
+def resample(rounds: Sequence[Round], rng: random.Random, has_slo: bool,
+             over_rounds: bool = False) -> dict[str, float | None]:
+    """One bootstrap replicate: the requests within each round (and the rounds themselves
+    where `over_rounds`)."""
+    chosen = [rng.choice(rounds) for _ in rounds] if over_rounds else rounds
     return figures([(r, rng.choices(r.requests, k=len(r.requests)) if r.requests else ())
                     for r in chosen], has_slo)
 
 
+def t_cdf(t: float, df: int) -> float:
+    """Student's t distribution function for a whole number of degrees of freedom, exact
+    (Abramowitz & Stegun 26.7.3-4: a finite series in cos(theta), theta = atan(t / sqrt(df)))."""
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2, term, total = math.cos(theta) ** 2, 1.0, 1.0
+    if df % 2:
+        for k in range(3, df, 2):  # 1 + 2/3 c^2 + (2*4)/(3*5) c^4 ...
+            term *= c2 * (k - 1) / k
+            total += term
+        inside = (2.0 / math.pi) * (theta + (math.sin(theta) * math.cos(theta) * total
+                                             if df > 1 else 0.0))
+    else:
+        for k in range(2, df, 2):  # 1 + 1/2 c^2 + (1*3)/(2*4) c^4 ...
+            term *= c2 * (k - 1) / k
+            total += term
+        inside = math.sin(theta) * total
+    return 0.5 + math.copysign(inside, t) / 2.0
+
+
 def t_quantile(p: float, df: int) -> float:
-    """Student's t quantile (Cornish-Fisher from the normal; close enough from df 3 up)."""
-    z = statistics.NormalDist().inv_cdf(p)
-    if df <= 0:
-        return z
-    g1 = (z ** 3 + z) / 4
-    g2 = (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
-    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
-    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3
+    """Student's t quantile: the exact distribution function inverted by bisection up to df
+    400, the normal's beyond (df <= 0: the normal)."""
+    if df <= 0 or df > 400:
+        return statistics.NormalDist().inv_cdf(p)
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        high *= 2.0
+    for _ in range(100):
+        mid = (low + high) / 2.0
+        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
+    return (low + high) / 2.0
 
 
 def expanded(level: float, n: int) -> float:
@@ -112,12 +140,22 @@ class Summary:
     unsupported: dict[str, str]
     """Figure -> why no number: `n<100` (a percentile the sample cannot support), `n/a`."""
     replicates: dict[str, list[float]]
-    """Figure -> its bootstrap replicates (for ratios; not saved)."""
+    """Figure -> its bootstrap replicates over requests within rounds (for ratios, which add
+    the variance between rounds themselves; not saved)."""
+    by_start: dict[str, list[float]] = field(default_factory=dict)
+    """Figure -> its estimate from each start's rounds alone (a round the arm stayed up for
+    shares its start with the round before; starts with none left out)."""
+
+    @property
+    def starts(self) -> int:
+        """How many times the arm was brought up for these rounds (at least 1)."""
+        return max((len(v) for v in self.by_start.values()), default=1) or 1
 
 
 def summarize(rounds: Sequence[Round], has_slo: bool, seed: int,
-              resamples: int = RESAMPLES) -> Summary:
-    """Estimates and intervals of FIGURES over the rounds, reproducible for a given seed."""
+              resamples: int = RESAMPLES, starts: Sequence[int] | None = None) -> Summary:
+    """Estimates and intervals of FIGURES over the rounds, reproducible for a given seed;
+    `starts`: which start of the arm each round came from (None: a start of its own)."""
     n = sum(len(r.requests) for r in rounds)
     estimate = figures([(r, r.requests) for r in rounds], has_slo)
     unsupported = {name: f"n<{needs(q)}" for name, q in PERCENTILES.items() if n < needs(q)}
@@ -129,13 +167,23 @@ def summarize(rounds: Sequence[Round], has_slo: bool, seed: int,
     unit = min((len(r.requests) for r in rounds), default=0)
     rng = random.Random(seed)
     draws = [resample(rounds, rng, has_slo) for _ in range(resamples)] if n else []
+    over = [resample(rounds, rng, has_slo, True) for _ in range(resamples)] \
+        if n and len(rounds) >= OVER_ROUNDS else draws
     replicates: dict[str, list[float]] = {}
     ci: dict[str, tuple[float, float] | None] = {}
     for name in FIGURES:
         values = [v for d in draws if (v := d[name]) is not None]
         shown = name not in unsupported and estimate[name] is not None and values
         replicates[name] = values if shown else []
-        ci[name] = interval(values, LEVEL, unit) if shown else None
+        spread = [v for d in over if (v := d[name]) is not None]
+        ci[name] = interval(spread, LEVEL, unit) if shown and spread else None
         if not shown:
             estimate[name] = None
-    return Summary(n, estimate, ci, unsupported, replicates)
+    groups: dict[int, list[Round]] = {}
+    for number, r in enumerate(rounds):
+        groups.setdefault(number if starts is None else starts[number], []).append(r)
+    per_start = [figures([(r, r.requests) for r in group], has_slo) for group in
+                 groups.values() if any(r.requests for r in group)]
+    by_start = {name: [v for f in per_start if (v := f[name]) is not None]
+                for name in FIGURES if estimate[name] is not None}
+    return Summary(n, estimate, ci, unsupported, replicates, by_start)

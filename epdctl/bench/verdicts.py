@@ -1,7 +1,21 @@
 """Verdicts from intervals: an arm is better or worse than the reference only where the
 interval of a ratio lies wholly outside "on par" (within SAME of 1). Every ratio judged in
 one report counts against one 5 % error budget (Bonferroni: each interval is taken at
-1 - 0.05 / m for m ratios), so an A/A run gets a verdict anywhere in at most ~5 % of runs."""
+1 - 0.05 / m for m ratios), so an A/A run gets a verdict anywhere in at most ~5 % of runs.
+
+A ratio's spread has two parts. Within: each arm's bootstrap over its requests. Between:
+how far one start of an arm lands from another start of the same arm at the same load point
+beyond what its requests explain (another placement in memory, a warmer engine, a machine
+that drifted between the two); a bootstrap within rounds cannot see it, and with two rounds
+an A/A run on a CPU machine found a 0.46x "difference" without it. It is a random effect of
+each start: its variance is pooled over every arm and load point of the report (log scale,
+one degree of freedom per start beyond an arm's first; rounds an arm stayed up for are one
+start), divided by each arm's starts, and the interval takes Student's t at the
+degrees of freedom of that estimate, so a variance estimated from few starts widens the
+interval as much as it should (two rounds, A B then B A, give A two starts and B one: one
+degree of freedom, and a verdict only for a very large difference; --rounds 4 or
+--until-significant for more). With one start per arm nothing measures it: the verdict says
+so."""
 
 from __future__ import annotations
 
@@ -11,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from epdctl.bench.stats import Summary, expanded
+from epdctl.bench.stats import Summary, expanded, t_quantile
 
 SAME = 0.05
 """Ratios within 5 % of 1 count as on par."""
@@ -42,17 +56,63 @@ class Comparison:
     """Arm -> failed requests (either failing makes it not comparable)."""
 
 
-def ratio_interval(mine: Summary, theirs: Summary, name: str, level: float
-                   ) -> tuple[float, float] | None:
+@dataclass(frozen=True)
+class Between:
+    """A figure's between-start variance (log scale) beyond its requests' own, pooled over a
+    report, and the degrees of freedom of its estimate (0: nothing measured it)."""
+
+    variance: float = 0.0
+    df: int = 0
+
+
+def _logs(values: Sequence[float]) -> list[float]:
+    return [math.log(v) for v in values if v > 0]
+
+
+def between(summaries: Sequence[tuple[str, Summary]], name: str) -> Between:
+    """From (arm, summary) pairs (each arm at each load point once), over the cells with two
+    starts or more: the variance of a cell's starts' log estimates less what its bootstrap
+    says one start's sampling alone gives, averaged with weights (k - 1) / that sampling
+    variance (DerSimonian-Laird's moment estimator: a cell of few requests, whose rounds
+    scatter by sampling alone, says little about the rest), never below 0. Its degrees of
+    freedom are counted per arm, not per cell: an arm's load points share its starts, so
+    their deviations are not independent."""
+    excess = weights = 0.0
+    per_arm: dict[str, int] = {}
+    for arm, s in summaries:
+        logs, reps = _logs(s.by_start.get(name) or []), _logs(s.replicates.get(name) or [])
+        if len(logs) < 2 or len(reps) < 2:
+            continue
+        # The bootstrap variance of the estimate over k starts; one start's is k times it.
+        sampling = max(statistics.pvariance(reps) * len(logs), 1e-12)
+        weight = (len(logs) - 1) / sampling
+        excess += weight * (statistics.variance(logs) - sampling)
+        weights += weight
+        per_arm[arm] = max(per_arm.get(arm, 0), len(logs) - 1)
+    return Between(max(0.0, excess / weights), sum(per_arm.values())) if weights else Between()
+
+
+def ratio_interval(mine: Summary, theirs: Summary, name: str, level: float,
+                   spread_between: Between = Between()) -> tuple[float, float] | None:
     """The interval of mine / theirs on the log scale: the log ratio of the estimates plus or
-    minus z times the spread of the two arms' (independent) log bootstrap replicates."""
+    minus t times the spread of the two arms' (independent) log bootstrap replicates and of
+    the between-start effect (its variance over each arm's starts)."""
     a, b = mine.estimate.get(name), theirs.estimate.get(name)
-    reps = [[math.log(v) for v in s.replicates.get(name) or [] if v > 0] for s in (mine, theirs)]
+    reps = [_logs(s.replicates.get(name) or []) for s in (mine, theirs)]
     if not a or not b or a <= 0 or b <= 0 or min(len(r) for r in reps) < 2:
         return None
-    spread = math.sqrt(sum(statistics.pvariance(r) for r in reps))
+    within = sum(statistics.pvariance(r) for r in reps)
+    extra = spread_between.variance * (1.0 / mine.starts + 1.0 / theirs.starts)
     n = min(mine.n, theirs.n)  # small samples: t, and the bootstrap's narrowness undone
+    p = 1.0 - (1.0 - level) / 2.0
     z = statistics.NormalDist().inv_cdf(1.0 - (1.0 - expanded(level, n)) / 2.0)
+    if spread_between.df:
+        # Student's t at the between part's own degrees of freedom, however small its
+        # estimate came out: a variance from one or two starts can come out near 0 by
+        # chance (Welch-Satterthwaite would then trust it, and an A/A run with one start of
+        # B and two of A got 12 % false verdicts so).
+        z = max(z, t_quantile(p, spread_between.df))
+    spread = math.sqrt(within + extra)
     centre = math.log(a / b)
     return math.exp(centre - z * spread), math.exp(centre + z * spread)
 
@@ -68,13 +128,17 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
     tests = {(i, n) for i, c in enumerate(comparisons) if not c.failed for n in names
              if c.mine.replicates.get(n) and c.theirs.replicates.get(n)}
     level = 1.0 - error / max(len(tests), 1)
+    cells = list({(c.arm, c.point): c.mine for c in comparisons}.items()) + \
+        list({(c.ref, c.point): c.theirs for c in comparisons}.items())
+    unique = list({(arm, point): s for (arm, point), s in cells}.items())
+    spread = {name: between([(arm, s) for (arm, _), s in unique], name) for name in names}
     out = []
     for index, c in enumerate(comparisons):
         figures: dict[str, dict[str, Any]] = {}
         for name in names:
             if (index, name) not in tests:
                 continue
-            bounds = ratio_interval(c.mine, c.theirs, name, level)
+            bounds = ratio_interval(c.mine, c.theirs, name, level, spread[name])
             est_a, est_b = c.mine.estimate[name], c.theirs.estimate[name]
             if bounds is None or est_a is None or not est_b:
                 continue
@@ -84,12 +148,24 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
                 ("worse" if up else "better") if hi < 1 - same else \
                 "same" if lo >= 1 - same and hi <= 1 + same else "undecided"
             figures[name] = {"ratio": round(est_a / est_b, 4),
-                             "ci": [round(lo, 4), round(hi, 4)], "side": side}
+                             "ci": [round(lo, 4), round(hi, 4)], "side": side,
+                             "between_df": spread[name].df}
+        measured = any(spread[k].df for k in figures)
         kind, text = _text(c, figures, same)
+        if figures and not measured:
+            text += " (one start per arm: how far a start lands from the next is not measured; " \
+                "--rounds 2 or more)"
+        elif kind == "undecided":
+            df = max(spread[k].df for k in figures)
+            text += (f" (starts: `{c.arm}` {c.mine.starts}, `{c.ref}` {c.theirs.starts}, "
+                     f"{df} degree{'s' if df > 1 else ''} of freedom between them; more "
+                     "rounds narrow it)")
         n = min(c.mine.n, c.theirs.n)
         out.append({"point": c.point, "load": c.load, "arm": c.arm, "reference": c.ref,
                     "kind": kind, "decided": kind not in ("undecided", "none"), "n": n,
-                    "level": round(level, 5), "figures": figures, "text": text})
+                    "level": round(level, 5), "figures": figures, "text": text,
+                    "starts_measured": measured,
+                    "starts": {c.arm: c.mine.starts, c.ref: c.theirs.starts}})
     return out
 
 

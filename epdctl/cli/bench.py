@@ -101,7 +101,8 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
               help="Goodput SLO: requests within it count (vLLM's --goodput).")
 @click.option("--rounds", type=click.IntRange(1), metavar="R",
               help="Runs of every load point per arm, arms in alternating order (A B, B A, "
-              "...); default 2 on cuda, 1 on cpu.")
+              "...); default 2 on cuda, 1 on cpu. Verdicts weigh how far one start of an "
+              "arm lands from another: 2 rounds decide only large differences, 4 finer ones.")
 @click.option("--warmup", type=click.IntRange(0), default=3, show_default=True, metavar="N",
               help="Requests sent after each arm starts, at the first load, not counted.")
 @click.option("--until-significant", "max_rounds", type=click.IntRange(1), metavar="MAX",
