@@ -186,8 +186,9 @@ async def assign_uuids(items: list[MediaItem], client: Upstream, timeout_s: floa
     place; how many got one.
 
     A remote URL is fetched once per request however many items name it (and each item of it
-    shares the one data URL). The fetched media together may not exceed `max_bytes` (the
-    proxy's body cap): past it, a 413, since E and PD would get them inlined.
+    shares the one data URL); an inline item is hashed once per request however many items
+    carry it. The fetched media together may not exceed `max_bytes` (the proxy's body cap):
+    past it, the proxy's own 400 (MediaTooLarge), since E and PD would get them inlined.
     """
     remote: dict[tuple[str, str], list[MediaItem]] = {}
     inline: dict[tuple[str, str, bool], str] = {}  # one hash per distinct inline item
