@@ -280,6 +280,8 @@ def method_line(doc: Mapping[str, Any]) -> str:
 def _workload_line(w: Mapping[str, Any]) -> str:
     what = w["dataset"] or (f"{w['kind']}, {w['images']} image(s) of "
                             f"{w['image_size'][0]}x{w['image_size'][1]}")
+    if not w["dataset"] and w.get("audios"):
+        what = f"{w['kind']}, {w['audios']} clip(s) of generated audio"
     slo = ", ".join(f"{k} {v:g} ms" for k, v in w["slo_ms"].items()) or "none"
     return (f"{what}, {w['num_prompts']} requests per point, input {w['input_len']} / output "
             f"{w['output_len']} tokens, repeat {w['repeat']:g}, seed {w['seed']}, SLO {slo}")

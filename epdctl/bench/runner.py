@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from epdctl.bench.arms import Arm
+from epdctl.bench.audio import write_audio_dataset
 from epdctl.bench.counters import (
     _headers,
     _store,
@@ -87,10 +88,31 @@ def round_order(arms: Sequence[Arm], round_: int) -> list[Arm]:
     return list(arms) if round_ % 2 == 0 else list(arms)[::-1]
 
 
-def greedy_prompts(limit: int | None) -> list[Prompt]:
-    """verify's fixed prompts that fit the arms' image limit."""
-    return [p for p in PROMPTS if p.modalities <= {"image"}
-            and (limit is None or len(p.images) <= limit)]
+def greedy_prompts(limit: int | None, modalities: frozenset[str] = frozenset({"image"}),
+                   audio_limit: int | None = None) -> list[Prompt]:
+    """verify's fixed prompts that fit the arms' image limit and take only `modalities`
+    (images alone by default; an audio model's arms: audio, within `audio_limit`)."""
+    return [p for p in PROMPTS if p.modalities <= modalities
+            and (limit is None or len(p.images) <= limit)
+            and (audio_limit is None or len(p.audios) <= audio_limit)
+            and not p.videos]
+
+
+def prompts_for_arms(arms: Sequence[Arm]) -> list[Prompt]:
+    """The greedy subset every arm takes: images (within the image limit) or, where the arms
+    take audio and no images (an audio model), audio clips (within the audio limit)."""
+    from epdctl.bench.arms import image_limit
+    from epdctl.verify import taken_modalities
+
+    def least(modality: str) -> int | None:
+        limits = [n for n in (image_limit(a.topology, modality) for a in arms) if n is not None]
+        return min(limits) if limits else None
+
+    taken = frozenset.intersection(*(frozenset(taken_modalities(a.topology.engine.args))
+                                     for a in arms))
+    if "audio" in taken and "image" not in taken:
+        return greedy_prompts(None, frozenset({"audio"}), least("audio"))
+    return greedy_prompts(least("image"))
 
 
 @dataclass
@@ -145,15 +167,21 @@ def run_arms(arms: Sequence[Arm], workload: Workload, state_root: Path, work_dir
 
 def _datasets(workload: Workload, work_dir: Path, progress: Progress, round_: int
               ) -> dict[tuple[int, int], Path]:
-    if workload.kind != "generated":
+    if workload.kind not in ("generated", "audio"):
         return {}
     paths = {}
     for index in range(len(workload.points)):
         suffix = f"-r{round_ + 1}" if round_ else ""
         path = work_dir / "datasets" / f"point-{index}{suffix}.jsonl"
-        counts = write_dataset(workload, index, path, round_)
-        progress.line(f"dataset {path}: {counts['images']} images, "
-                      f"{counts['repeated_images']} of them repeats")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if workload.kind == "audio":
+            counts = write_audio_dataset(workload, workload.seed_at(index, round_),
+                                         workload.num_prompts, path)
+            progress.line(f"dataset {path}: {counts['audios']} audio clips")
+        else:
+            counts = write_dataset(workload, index, path, round_)
+            progress.line(f"dataset {path}: {counts['images']} images, "
+                          f"{counts['repeated_images']} of them repeats")
         paths[(round_, index)] = path
     return paths
 
@@ -211,9 +239,14 @@ def _warm_up(arm: Arm, workload: Workload, state: RunState, work_dir: Path, coun
     runs_dir = work_dir / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     name = f"{arm.name}-warmup-{start}"
+    dataset = None
+    if workload.kind == "audio":  # clips of its own, as the warm-up's images are
+        dataset = work_dir / "datasets" / f"{name}.jsonl"
+        dataset.parent.mkdir(parents=True, exist_ok=True)
+        write_audio_dataset(workload, workload.warmup_seed(), count, dataset)
     args = argv(bench_command(arm), workload, 0, url=state.proxy.url, model=arm.topology.model,
                 served_model_name=state.model_name, result_dir=runs_dir,
-                result_name=f"{name}.json", warmup=count)
+                result_name=f"{name}.json", dataset=dataset, warmup=count)
     progress.line(f"  {arm.name}: warm-up, {count} requests (not counted)")
     log_path = runs_dir / f"{name}.log"
     code = _run_bench(args, log_path, _env(arm, state), lambda: None)

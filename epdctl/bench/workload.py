@@ -72,6 +72,9 @@ class Workload:
     videos: int = 0
     """Videos per request (random-mm: MP4s of `video_frames` frames of image_size)."""
     video_frames: int = 4
+    audios: int = 0
+    """Audio clips per request (0 or 1: vLLM's custom_audio dataset sends one, nothing else
+    with it); generated WAVs (bench/audio.py)."""
     repeat: float = 0.0
     """Fraction of image items that repeat an earlier request's image (generated dataset)."""
     dataset: Path | None = None
@@ -81,9 +84,12 @@ class Workload:
 
     @property
     def kind(self) -> str:
-        """random-mm, generated (for --repeat) or dataset (the user's file)."""
+        """random-mm, generated (for --repeat), audio (generated clips) or dataset (the
+        user's file)."""
         if self.dataset is not None:
             return "dataset"
+        if self.audios:
+            return "audio"
         return "generated" if self.repeat > 0 else "random-mm"
 
     def seed_at(self, index: int, round_: int = 0) -> int:
@@ -101,7 +107,8 @@ class Workload:
                 "images": self.images, "image_size": list(self.image_size),
                 "input_len": self.input_len, "output_len": self.output_len,
                 "videos": self.videos, "video_frames": self.video_frames,
-                "repeat": self.repeat, "dataset": str(self.dataset) if self.dataset else None,
+                "audios": self.audios, "repeat": self.repeat,
+                "dataset": str(self.dataset) if self.dataset else None,
                 "dataset_name": self.dataset_name if self.dataset else None,
                 "slo_ms": dict(self.slo), "points": [p.as_json() for p in self.points]}
 
@@ -162,12 +169,22 @@ def parse_image_size(text: str) -> tuple[int, int]:
 
 def check(arms: Sequence[Arm], workload: Workload) -> None:
     """Refuse a workload an arm cannot serve, before anything starts."""
+    if workload.audios and workload.kind == "audio" and (workload.images or workload.videos):
+        raise BenchError("--audios sends one clip and text per request (vLLM's custom_audio "
+                         "dataset): give no --images or --videos with it")
+    if workload.audios > 1:
+        raise BenchError(f"--audios {workload.audios}: vLLM's custom_audio dataset sends one "
+                         "clip per request")
     images = workload.images if workload.kind != "dataset" else dataset_images(workload)
     for arm in arms:
         limit = image_limit(arm.topology)
         if images is not None and limit is not None and images > limit:
             raise BenchError(f"the workload sends {images} image(s) per request; `{arm.name}` "
                              f"accepts at most {limit} (--limit-mm-per-prompt)")
+        clips = image_limit(arm.topology, "audio")
+        if workload.audios and clips is not None and workload.audios > clips:
+            raise BenchError(f"the workload sends {workload.audios} audio clip(s) per request; "
+                             f"`{arm.name}` accepts at most {clips} (--limit-mm-per-prompt)")
         videos = image_limit(arm.topology, "video")
         if workload.videos and videos is not None and workload.videos > videos:
             raise BenchError(f"the workload sends {workload.videos} video(s) per request; "
@@ -230,7 +247,9 @@ def argv(command: Sequence[str], workload: Workload, index: int, *, url: str, mo
             "--num-prompts", str(count), "--seed", str(seed), "--request-rate", rate]
     if point.max_concurrency is not None:
         args += ["--max-concurrency", str(point.max_concurrency)]
-    if warmup and workload.kind == "generated":  # random images of the same size instead
+    if warmup and workload.kind == "audio":
+        args += _dataset_args(workload, dataset)  # the runner's warm-up clips
+    elif warmup and workload.kind == "generated":  # random images of the same size instead
         args += _dataset_args(replace(workload, repeat=0.0), None)
     else:
         args += _dataset_args(workload, dataset)
@@ -263,6 +282,12 @@ def _dataset_args(workload: Workload, dataset: Path | None) -> list[str]:
                 "--random-mm-limit-mm-per-prompt",
                 json.dumps({"image": workload.images, "video": workload.videos}),
                 "--random-mm-bucket-config", f"{{{config}}}"]
+    if workload.kind == "audio":
+        # custom_audio reads the clips' files; chat-based audio models get each as an
+        # `input_audio` part beside the prompt only with --enable-multimodal-chat.
+        return ["--dataset-name", "custom_audio", "--dataset-path", str(dataset),
+                "--custom-output-len", str(workload.output_len), "--enable-multimodal-chat",
+                "--disable-shuffle"]
     name = "custom_image" if workload.kind == "generated" else workload.dataset_name
     args = ["--dataset-name", name, "--dataset-path", str(dataset or workload.dataset),
             "--custom-output-len", str(workload.output_len)]
@@ -338,3 +363,4 @@ def write_dataset(workload: Workload, index: int, path: Path, round_: int = 0
     path.write_text("\n".join(lines) + "\n")
     return {"requests": workload.num_prompts, "images": total, "distinct_images": len(pool),
             "repeated_images": repeated}
+

@@ -127,7 +127,7 @@ def dry_run(app: App, arms: Sequence[Arm], workload: Workload, as_json: bool) ->
         commands = []
         for index in range(len(workload.points)):
             dataset = Path(f"<work dir>/datasets/point-{index}.jsonl") \
-                if workload.kind == "generated" else None
+                if workload.kind in ("generated", "audio") else None
             commands.append(argv(bench_command(arm), workload, index, url=run.plan.proxy.url,
                                  model=arm.topology.model,
                                  served_model_name=run.plan.model_name,

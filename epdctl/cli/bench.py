@@ -28,7 +28,13 @@ def _workload(opts: dict[str, Any]) -> Workload:
     )
     from epdctl.errors import BenchError
 
-    repeat, dataset = opts["repeat"], opts["dataset"]
+    repeat, dataset, images = opts["repeat"], opts["dataset"], opts["images"]
+    context = click.get_current_context(silent=True)
+    is_default = context is not None and context.get_parameter_source("images") in (
+        click.core.ParameterSource.DEFAULT, None)
+    if opts["audios"] and is_default:
+        images = 0  # an audio workload's requests are text and one clip
+    opts = {**opts, "images": images}
     if not 0 <= repeat < 1:
         raise BenchError(f"--repeat: expected a fraction from 0 to below 1, got {repeat:g}")
     if repeat and (dataset is not None or opts["images"] == 0):
@@ -41,6 +47,7 @@ def _workload(opts: dict[str, Any]) -> Workload:
                     images=opts["images"], image_size=parse_image_size(opts["image_size"]),
                     input_len=opts["input_len"], output_len=opts["output_len"], repeat=repeat,
                     videos=opts["videos"], video_frames=opts["video_frames"],
+                    audios=opts["audios"],
                     dataset=dataset.absolute() if dataset else None,
                     dataset_name=opts["dataset_name"], slo=parse_slo(opts["slo"]))
 
@@ -87,6 +94,9 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
               help="Videos per request (random MP4s of --video-frames frames).")
 @click.option("--video-frames", type=click.IntRange(2), default=4, show_default=True,
               help="Frames per video.")
+@click.option("--audios", type=click.IntRange(0, 1), default=0, show_default=True,
+              help="Audio clips per request (1: generated WAVs, vLLM's custom_audio dataset; "
+              "no images then).")
 @click.option("--input-len", type=click.IntRange(1), default=128, show_default=True,
               help="Text tokens per request (about, for the --repeat dataset).")
 @click.option("--output-len", type=click.IntRange(1), default=64, show_default=True,
@@ -121,9 +131,8 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     """Compare the topology with aggregated serving on the same devices, under one workload"""
     from epdctl import __version__
     from epdctl.bench import report
-    from epdctl.bench.arms import image_limit
     from epdctl.bench.counters import device_names
-    from epdctl.bench.runner import Plan, greedy_prompts, run_arms
+    from epdctl.bench.runner import Plan, prompts_for_arms, run_arms
     from epdctl.bench.workload import check
     from epdctl.cli._bench_render import BenchProgress, dry_run, print_results, write_out
     from epdctl.errors import BenchError
@@ -134,8 +143,7 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     check(arms, workload)
     if is_dry_run:
         return dry_run(app, arms, workload, as_json)
-    limits = [n for n in (image_limit(a.topology) for a in arms) if n is not None]
-    prompts = greedy_prompts(min(limits) if limits else None)
+    prompts = prompts_for_arms(arms)
     work_dir = (out_dir or app.state_root / "bench" / arms[0].topology.name).absolute()
     progress = BenchProgress(app)
     count = rounds or (2 if arms[0].topology.device == "cuda" else 1)

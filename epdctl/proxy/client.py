@@ -65,6 +65,9 @@ def _error(exc: Exception, stage: str, base: str, kind: str = "unavailable") -> 
     return UpstreamError(stage, base, kind, f"{type(exc).__name__}: {exc}".rstrip(": "))
 
 
+_CLOSED = httpx.ByteStream(b"")
+
+
 class HttpxReply:
     """httpx.Response behind the Reply interface, translating httpx's errors."""
 
@@ -95,6 +98,10 @@ class HttpxReply:
 
     async def close(self) -> None:
         await self._resp.aclose()
+        # httpx's Response and its stream refer to each other: left to the cyclic GC, the
+        # request (and a body of tens of MiB, a video inline) lives on until a collection,
+        # often a full one (the pair was promoted while in use). Freed now instead.
+        self._resp.stream = _CLOSED
 
 
 class HttpxUpstream:

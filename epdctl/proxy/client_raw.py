@@ -27,6 +27,8 @@ from epdctl.proxy.client import with_key
 from epdctl.proxy.client_aiohttp import AiohttpUpstream
 from epdctl.proxy.errors import UpstreamError
 
+SEPARATE_BODY_BYTES = 1 << 20
+"""Bodies from this size on are written after their head, not joined to it (a copy)."""
 
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; `reply` is the answer being read on it, if any."""
@@ -238,7 +240,10 @@ class RawUpstream(AiohttpUpstream):
                 b"content-length: %d\r\n" % len(body)]
         head += [f"{k}: {v}\r\n".encode("latin-1")
                  for k, v in with_key(headers, self._auth).items()]
-        request = b"".join((*head, b"\r\n", body))
+        # A large body (a video inline) is written after its head, not copied into one buffer
+        # with it; a small one goes in one write (one segment).
+        is_large = len(body) >= SEPARATE_BODY_BYTES
+        request = b"".join((*head, b"\r\n")) if is_large else b"".join((*head, b"\r\n", body))
         is_fresh = False
         while True:
             conn = None if is_fresh else pool.idle_conn()
@@ -253,6 +258,8 @@ class RawUpstream(AiohttpUpstream):
             reply = conn.reply = RawReply(pool, conn, stage)
             assert conn.transport is not None
             conn.transport.write(request)
+            if is_large:
+                conn.transport.write(body)
             try:
                 await reply._head_ready()
             except (OSError, httptools.HttpParserError) as exc:

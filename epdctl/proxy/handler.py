@@ -346,7 +346,7 @@ def _error(exc: ProxyError) -> Answer:
 
 
 def _too_large(limit: int) -> ProxyError:
-    return ProxyError(413, f"request body is larger than {limit} bytes")
+    return ProxyError(413, f"request body is larger than {limit} bytes (--max-body-bytes)")
 
 
 async def _read_body(receive: Any, max_bytes: int) -> bytes | None:

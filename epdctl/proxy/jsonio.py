@@ -7,22 +7,56 @@ is a body the proxy does not take: it goes on to vLLM as it came, which answers 
 
 A part that several bodies carry (a keyed media part: E's body and PD's, or P's and D's) is a
 `Shared` dict: written once, its bytes spliced into every body it is in (orjson.Fragment).
+
+Large items (a video of tens of MiB inline): orjson reserves its worst case up front, about
+12 bytes per input byte to parse a document and as many per character to write a string
+(virtual memory, mostly never touched, yet allocated and kept with the result). So a body of
+LARGE_BYTES or more is parsed by the stdlib (no larger than its input, refusing what orjson
+refuses), and a Shared part's large strings are spliced in as they are, not written.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from typing import Any
 
 import orjson
 
 JSONDecodeError = orjson.JSONDecodeError
 """A ValueError (and json.JSONDecodeError) subclass: `except ValueError` catches it."""
+LARGE_BYTES = 4 << 20
+"""Documents and strings from this size on avoid orjson's worst-case reservations."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_INT_RANGE = range(-(2**63), 2**64)  # what orjson reads as an integer (the rest: a float)
 
 
 def loads(data: bytes | bytearray | memoryview | str) -> Any:
     """A JSON document; ValueError if it is not one."""
-    return orjson.loads(data)
+    if isinstance(data, str) or len(data) < LARGE_BYTES or _SURROGATE_ESCAPE.search(data):
+        return orjson.loads(data)  # a surrogate escape: only orjson refuses a lone one
+    try:
+        return json.loads(str(data, "utf-8"), parse_constant=_refuse, parse_int=_as_orjson,
+                          parse_float=_finite)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _refuse(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _as_orjson(text: str) -> int | float:
+    value = int(text)
+    return value if value in _INT_RANGE else _finite(text)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is infinity when parsed as double")
+    return value
 
 
 class Shared(dict[str, Any]):
@@ -35,8 +69,37 @@ class Shared(dict[str, Any]):
         try:
             return self._fragment
         except AttributeError:
-            self._fragment: orjson.Fragment = orjson.Fragment(orjson.dumps(dict(self)))
+            self._fragment: orjson.Fragment = orjson.Fragment(_written(dict(self)))
             return self._fragment
+
+
+def _written(part: dict[str, Any]) -> bytes | str:
+    """orjson's bytes for a part, but for its large plain strings (a data URL), spliced into
+    them as they are: the same JSON, one copy of each string, no reservation for it."""
+    large: list[str] = []
+    token = os.urandom(8).hex()
+
+    def stand_in(value: Any) -> Any:
+        if isinstance(value, dict) and not isinstance(value, Shared):
+            return {k: stand_in(v) for k, v in value.items()}
+        if isinstance(value, str) and len(value) >= LARGE_BYTES and _is_plain(value):
+            large.append(value)
+            return f"{token}-{len(large) - 1}"
+        return value
+
+    small = orjson.dumps(stand_in(part), default=_default, option=_OPTIONS)
+    if not large:
+        return small
+    rest, pieces = small.decode(), []
+    for n, value in enumerate(large):
+        before, _, rest = rest.partition(f'"{token}-{n}"')
+        pieces += [before, '"', value, '"']
+    return "".join([*pieces, rest])
+
+
+def _is_plain(text: str) -> bool:
+    """Whether orjson writes `text` as it is, in quotes: ASCII, printable, no `"` or `\\`."""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
 
 
 def _default(obj: Any) -> Any:

@@ -28,16 +28,22 @@ from epdctl.proxy.client import Upstream
 from epdctl.proxy.errors import ProxyError, UpstreamError, bad_request
 from epdctl.proxy.routing import MEDIA_TYPES, MediaItem, replace_parts
 
+B64_PIECE_CHARS = 1 << 20
+"""base64 decoded per hash update (a multiple of 4): what hashing a large item costs."""
 CLIENT_PREFIX = "client-"
 """Starts every key made from a client uuid; never in a content key (lower-case hex)."""
 
 
 def content_key(modality: str, data: bytes) -> str:
     """sha256 over modality and bytes: same bytes, same key, on every instance."""
-    digest = hashlib.sha256(modality.encode())
-    digest.update(b"\0")
+    digest = _digest(modality)
     digest.update(data)
     return digest.hexdigest()
+
+
+def _digest(modality: str) -> Any:
+    """The content key's hash, fed the modality so far: the bytes follow."""
+    return hashlib.sha256(modality.encode() + b"\0")
 
 
 def client_key(uuid: str, modality: str = "image") -> str:
@@ -96,7 +102,8 @@ def b64decode(text: str, what: str) -> bytes:
 
 
 def data_url_bytes(url: str, what: str) -> bytes:
-    """The decoded payload of a `data:<mime>;base64,<data>` URL.
+    """The decoded payload of a `data:<mime>;base64,<data>` URL (the bytes data_url_key
+    hashes; verify.py's reference, the proxy hashes without decoding it whole).
 
     vLLM's `video/jpeg` form is a list of base64 frames joined by commas: its bytes are each
     frame's, length-prefixed (so no two frame lists give the same bytes)."""
@@ -115,25 +122,88 @@ def data_url_bytes(url: str, what: str) -> bytes:
     return payload
 
 
+def data_url_key(modality: str, url: str, what: str) -> str:
+    """content_key of data_url_bytes(url), piece by piece: the payload is never copied out
+    of the URL nor decoded whole (a video of tens of MiB costs one piece, not a copy)."""
+    comma = url.find(",")
+    head = url[:comma] if comma >= 0 else url
+    if comma < 0 or not head.endswith(";base64"):
+        raise bad_request(f"{what}: only base64 data URLs are supported")
+    start = comma + 1
+    if head[5:].lower() == "video/jpeg;base64" and url.find(",", start) >= 0:
+        digest = _digest(modality)
+        while start <= len(url):
+            end = url.find(",", start)
+            end = len(url) if end < 0 else end
+            frame = b64decode(url[start:end], what)  # one frame at a time
+            if not frame:
+                raise bad_request(f"{what} has an empty frame")
+            digest.update(len(frame).to_bytes(8, "big"))
+            digest.update(frame)
+            start = end + 1
+        return str(digest.hexdigest())
+    return b64_key(modality, url, what, start)
+
+
+def b64_key(modality: str, text: str, what: str, start: int = 0) -> str:
+    """content_key of the base64 text[start:] (strict; whitespace tolerated), decoded a
+    piece at a time; a 400 if it is not base64 or is empty."""
+    digest = _digest(modality)
+    try:
+        size = _feed(digest, text, start)
+    except (binascii.Error, ValueError):
+        # Wrapped base64 (MIME-style lines) is rare: strip it and hash from the start.
+        digest = _digest(modality)
+        try:
+            size = _feed(digest, "".join(text[start:].split()), 0)
+        except (binascii.Error, ValueError):
+            raise bad_request(f"{what} is not valid base64") from None
+    if not size:
+        raise bad_request(f"{what} is empty")
+    return str(digest.hexdigest())
+
+
+def _feed(digest: Any, text: str, start: int) -> int:
+    """Decode text[start:] as strict base64 into digest in B64_PIECE_CHARS pieces; the bytes.
+
+    Pieces are whole 4-character groups, so decoding them one by one is decoding the whole,
+    but for padding, which only the last may have (binascii checks the rest). binascii reads
+    an ASCII str in place, so a piece is the only copy."""
+    size = 0
+    for pos in range(start, len(text), B64_PIECE_CHARS):
+        piece = text[pos:pos + B64_PIECE_CHARS]
+        if pos + B64_PIECE_CHARS < len(text) and piece.endswith("="):
+            raise binascii.Error("padding before the end")
+        data = binascii.a2b_base64(piece, strict_mode=True)
+        digest.update(data)
+        size += len(data)
+    return size
+
+
 async def assign_uuids(items: list[MediaItem], client: Upstream, timeout_s: float,
                        max_bytes: int) -> int:
     """Give every item without a (scoped) client uuid a key from its content bytes, in
     place; how many got one.
 
     A remote URL is fetched once per request however many items name it (and each item of it
-    shares the one data URL). The fetched media together may not exceed `max_bytes` (the
-    proxy's body cap): past it, a 413, since E and PD would get them inlined.
+    shares the one data URL); an inline item is hashed once per request however many items
+    carry it. The fetched media together may not exceed `max_bytes` (the proxy's body cap):
+    past it, the proxy's own 400 (MediaTooLarge), since E and PD would get them inlined.
     """
     remote: dict[tuple[str, str], list[MediaItem]] = {}
+    inline: dict[tuple[str, str, bool], str] = {}  # one hash per distinct inline item
     count = 0
     for n, item in enumerate(items):
         what = f"{item.part_type} #{n}"
         if item.uuid is not None:
             continue
-        if item.part_type == "input_audio":
-            item.uuid = content_key(item.modality, b64decode(item.ref, what))
-        elif item.ref.startswith("data:"):
-            item.uuid = content_key(item.modality, data_url_bytes(item.ref, what))
+        is_audio_data = item.part_type == "input_audio"
+        if is_audio_data or item.ref.startswith("data:"):
+            seen = (item.modality, item.ref, is_audio_data)
+            if seen not in inline:
+                inline[seen] = b64_key(item.modality, item.ref, what) if is_audio_data \
+                    else data_url_key(item.modality, item.ref, what)
+            item.uuid = inline[seen]
         elif item.ref.startswith(("http://", "https://")):
             remote.setdefault((item.modality, item.ref), []).append(item)
         else:
@@ -171,8 +241,16 @@ async def _fetch(same: list[MediaItem], client: Upstream, timeout_s: float,
     if status != 200 or not data:
         raise bad_request(f"{what}: fetching it gave HTTP {status}")
     mime = mime.split(";", 1)[0].strip() or "application/octet-stream"
+    size = len(data)
     uuid = content_key(item.modality, data)
-    data_url = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    # Inlined for E and PD: the fetched bytes go as soon as they are base64, which goes as
+    # soon as it is text (at most the bytes and two encodings of them at once).
+    encoded = binascii.b2a_base64(data, newline=False)
+    del data
+    text = encoded.decode("ascii")
+    del encoded
+    data_url = f"data:{mime};base64," + text
+    del text
     for it in same:
         it.uuid, it.data_url = uuid, data_url
-    return len(data)
+    return size

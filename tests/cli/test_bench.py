@@ -299,3 +299,23 @@ def test_compare_errors_and_help(epdctl: Callable[..., Result], tmp_path: Path) 
     helped = epdctl("bench", "compare", "--help")
     assert helped.exit_code == 0 and " bench compare [OPTIONS] A B" in helped.stdout
     assert "bench compare A/report.json B/report.json" in epdctl("bench", "--help").stdout
+
+
+def test_an_audio_workload_sends_generated_clips_through_custom_audio(
+        bench: Bench, fake_topology: Callable[..., Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = bench(str(fake_topology()), *SMALL, "--audios", "1", "--json", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["workload"]["kind"], doc["workload"]["audios"], doc["workload"]["images"]) == (
+        "audio", 1, 0)
+    for row in doc["results"]:
+        args = row["argv"]
+        assert args[args.index("--dataset-name") + 1] == "custom_audio"
+        assert "--enable-multimodal-chat" in args
+        lines = Path(args[args.index("--dataset-path") + 1]).read_text().splitlines()
+        assert len(lines) == 5 and all(Path(json.loads(x)["audio"]).is_file() for x in lines)
+    assert "- workload: audio, 1 clip(s) of generated audio" in (out / "report.md").read_text()
+    refused = bench(str(fake_topology("other")), *SMALL, "--audios", "1", "--images", "1")
+    assert refused.exit_code == 1
+    assert "--audios sends one clip and text per request" in refused.stderr

@@ -90,6 +90,20 @@ async def test_the_request_goes_out_whole_and_the_connection_is_reused(rig):
                                   b"\r\nx-request-id: r1\r\n\r\n" + b'{"a": 1}')
 
 
+async def test_a_large_body_goes_out_whole_after_its_head_on_a_reused_connection(rig):
+    """Past SEPARATE_BODY_BYTES the body is written on its own (not joined to the head): the
+    instance still reads one whole request, and the next one on the same connection."""
+    from epdctl.proxy.client_raw import SEPARATE_BODY_BYTES
+
+    server, upstream, base = rig
+    body = b'{"v": "' + b"QUJD" * (SEPARATE_BODY_BYTES // 2) + b'"}'
+    for sent in (body, b'{"a": 1}'):
+        await (await post(upstream, base, sent)).close()
+    assert server.connections == 1
+    assert [r.partition(b"\r\n\r\n")[2] for r in server.requests] == [body, b'{"a": 1}']
+    assert b"content-length: %d\r\n" % len(body) in server.requests[0]
+
+
 async def test_the_instances_key_goes_with_every_post(rig):
     server, _, base = rig
     keyed = RawUpstream(None, 5.0, api_key="s3cret")

@@ -125,3 +125,37 @@ def test_a_keyed_media_part_is_serialized_once_for_e_and_pd(monkeypatch):
     assert json.loads(pd_raw) == {**body, "messages": [{"role": "user", "content": [
         {**image_part(), "uuid": item.uuid}, {"type": "text", "text": "was ist das? 😀"}]}]}
     assert json.loads(e_raw)["messages"][0]["content"] == [{**image_part(), "uuid": item.uuid}]
+
+
+PAD = b" " * jsonio.LARGE_BYTES  # past it: the stdlib parses, as orjson would
+
+
+@pytest.mark.parametrize("doc", [
+    b'{"a": [1, -9223372036854775808, 18446744073709551615, 18446744073709551616, 1.5e3]}',
+    b'{"s": "\\u00e9\\ud83d\\ude00 \\"q\\" \\\\ \\n", "n": null, "t": true, "o": {}}',
+    b'{"a": NaN}', b'{"a": -Infinity}', b'{"a": 1e400}', b'{"s": "\\ud800"}',
+    b'\xef\xbb\xbf{}', b'{"s": "\xed\xa0\x80"}', b"[" * 2000 + b"]" * 2000, b"{not json",
+], ids=["numbers", "escapes", "nan", "infinity", "overflow", "lone-surrogate", "bom",
+        "raw-surrogate", "deep", "broken"])
+def test_a_large_document_reads_as_orjson_reads_it(doc):
+    import orjson
+
+    try:
+        expected = orjson.loads(doc + PAD)
+    except ValueError:
+        with pytest.raises(ValueError):
+            jsonio.loads(doc + PAD)
+        return
+    assert jsonio.loads(doc + PAD) == expected
+
+
+@pytest.mark.parametrize("url", ["data:video/mp4;base64," + "QUJD" * (jsonio.LARGE_BYTES // 4),
+                                 "data:x," + "é\"\\\n" * (jsonio.LARGE_BYTES // 4)],
+                         ids=["plain", "escaped"])
+def test_a_shared_part_with_a_large_string_is_written_as_orjson_writes_it(url):
+    import orjson
+
+    part = {"type": "video_url", "video_url": {"url": url, "detail": "é\"x"}, "uuid": "k"}
+    body = {"messages": [{"role": "user", "content": [jsonio.Shared(part), "t"]}]}
+    plain = {"messages": [{"role": "user", "content": [part, "t"]}]}
+    assert jsonio.dumps(body) == orjson.dumps(plain)

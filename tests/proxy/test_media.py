@@ -117,3 +117,43 @@ async def test_oversize_remote_media_is_a_400(remote):
     with pytest.raises(ProxyError) as info:
         await assign_uuids([it], remote.client, 5.0, 100)
     assert info.value.status == 400 and "100 bytes" in info.value.message
+
+
+@pytest.mark.parametrize("url", [
+    data_url(PNG), data_url(PNG * 7, "video/mp4"),
+    "data:audio/wav;base64," + base64.encodebytes(PNG * 5).decode(),  # wrapped lines
+    "data:video/jpeg;base64," + ",".join(base64.b64encode(PNG + bytes([n])).decode()
+                                          for n in range(3)),
+])
+@pytest.mark.parametrize("piece", [4, 8, 1 << 20])
+def test_a_data_url_key_is_the_key_of_its_bytes_whatever_the_pieces(url, piece, monkeypatch):
+    from epdctl.proxy import media
+
+    monkeypatch.setattr(media, "B64_PIECE_CHARS", piece)
+    assert media.data_url_key("video", url, "x") == content_key(
+        "video", media.data_url_bytes(url, "x"))
+
+
+@pytest.mark.parametrize("text", ["QQ==QUJD", "QUJDRA", "QUJD!", "", "   "])
+@pytest.mark.parametrize("piece", [4, 1 << 20])
+def test_base64_refused_whole_is_refused_in_pieces(text, piece, monkeypatch):
+    """Padding before the end, a bad length, a stray character, nothing: each a 400, as the
+    whole text decoded at once is."""
+    from epdctl.proxy import media
+
+    monkeypatch.setattr(media, "B64_PIECE_CHARS", piece)
+    with pytest.raises(ProxyError) as info:
+        media.b64_key("audio", text, "input_audio #0")
+    assert info.value.status == 400
+
+
+async def test_a_repeated_data_url_is_hashed_once(remote, monkeypatch):
+    from epdctl.proxy import media
+
+    calls = []
+    real = media.data_url_key
+    monkeypatch.setattr(media, "data_url_key", lambda *a: calls.append(a[1]) or real(*a))
+    url = data_url(PNG)
+    got = await keys([item("image_url", url), item("image_url", url),
+                      item("video_url", url)], remote)
+    assert got[0] == got[1] != got[2] and calls == [url, url]  # once per modality
