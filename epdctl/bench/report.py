@@ -36,12 +36,13 @@ def topology_hash(arm: Arm) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def reference(runs: Sequence[ArmRun]) -> ArmRun | None:
-    """What ratios are taken against: the baseline arm, else the first when there are more."""
+def reference(runs: Sequence[ArmRun], name: str | None = None) -> ArmRun | None:
+    """What ratios are taken against: the arm `name` (`--reference`), else the baseline arm,
+    else the first when there are more."""
     for run in runs:
-        if run.arm.kind == "baseline":
+        if run.arm.name == name if name else run.arm.kind == "baseline":
             return run
-    return runs[0] if len(runs) > 1 else None
+    return runs[0] if len(runs) > 1 and not name else None
 
 
 def ratios(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, float | None]:
@@ -169,9 +170,10 @@ def notes(runs: Sequence[ArmRun]) -> list[str]:
 
 
 def build(runs: Sequence[ArmRun], workload: Workload, prompts: Sequence[Prompt],
-          **meta: Any) -> dict[str, Any]:
-    """The `bench --json` document (and report.json)."""
-    ref = reference(runs)
+          reference_name: str | None = None, **meta: Any) -> dict[str, Any]:
+    """The `bench --json` document (and report.json); ratios and verdicts against the arm
+    `reference_name` where given."""
+    ref = reference(runs, reference_name)
     rows = [point_row(run.arm.name, index, point.label,
                       [p for p in run.points if p.index == index])
             for index, point in enumerate(workload.points) for run in runs]

@@ -78,6 +78,9 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
               "all devices; none: only the topology and --arm files.")
 @click.option("--arm", "extra", multiple=True, type=click.Path(path_type=Path),
               metavar="FILE", help="Another topology of the same model (repeatable).")
+@click.option("--reference", "reference_name", metavar="ARM",
+              help="Take ratios and verdicts against this arm (its name, as the table shows "
+              "it: `epd`, the baseline's, an --arm topology's); default: the baseline.")
 @click.option("--request-rate", "rates", metavar="LIST",
               help="Requests per second, e.g. 1,2,4 (a sweep) or inf; default inf.")
 @click.option("--max-concurrency", "concurrency", metavar="LIST",
@@ -126,8 +129,9 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
               show_default=True, help="Seconds each arm gets to become ready.")
 @pass_app
 def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
-          rounds: int | None, warmup: int, max_rounds: int | None, as_json: bool,
-          out_dir: Path | None, is_dry_run: bool, timeout_s: float, **opts: Any) -> None:
+          reference_name: str | None, rounds: int | None, warmup: int,
+          max_rounds: int | None, as_json: bool, out_dir: Path | None, is_dry_run: bool,
+          timeout_s: float, **opts: Any) -> None:
     """Compare the topology with aggregated serving on the same devices, under one workload"""
     from epdctl import __version__
     from epdctl.bench import report
@@ -140,6 +144,10 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
 
     workload = _workload(opts)
     arms = _arms(app, topology_path, baseline, extra)
+    names = [a.name for a in arms]
+    if reference_name is not None and reference_name not in names:
+        raise BenchError(f"--reference {reference_name}: no such arm (the arms: "
+                         f"{', '.join(names)})")
     check(arms, workload)
     if is_dry_run:
         return dry_run(app, arms, workload, as_json)
@@ -150,7 +158,7 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     plan = Plan(count, warmup, max(max_rounds, count) if max_rounds else None)
 
     def undecided(runs: Any) -> bool:
-        doc = report.build(runs, workload, prompts)
+        doc = report.build(runs, workload, prompts, reference_name)
         return any(not v["decided"] for v in doc["verdicts"])
 
     try:
@@ -162,7 +170,7 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
         sys.exit(130)
     finally:
         progress.close()
-    doc = report.build(runs, workload, prompts, epdctl_version=__version__,
+    doc = report.build(runs, workload, prompts, reference_name, epdctl_version=__version__,
                        vllm_version=vllm_version(), devices=device_names(arms),
                        command=["epdctl", *sys.argv[1:]], work_dir=str(work_dir),
                        plan={"rounds": count, "warmup": warmup, "until_significant": max_rounds})

@@ -209,6 +209,7 @@ def test_ctrl_c_takes_the_running_arm_down(bench: Bench, fake_topology: Callable
     (("--images", "2"), "the workload sends 2 image(s) per request; `epd` accepts at most 1"),
     (("--baseline", "tp"), "--baseline tp needs `device: cuda`"),
     (("--dataset", "/nonexistent.jsonl"), "--dataset /nonexistent.jsonl: no such file"),
+    (("--reference", "nope"), "--reference nope: no such arm (the arms: epd, aggregated)"),
 ])
 def test_bad_options_are_refused_before_anything_starts(
         bench: Bench, fake_topology: Callable[..., Path], state_root: Path,
@@ -219,6 +220,16 @@ def test_bad_options_are_refused_before_anything_starts(
     assert result.stderr == f"Error: {message}" + result.stderr.split(message, 1)[1]
     assert len(result.stderr.strip().splitlines()) == 1
     assert list(state_root.iterdir()) == []
+
+
+def test_ratios_and_verdicts_against_the_arm_named_by_reference(
+        bench: Bench, fake_topology: Callable[..., Path]) -> None:
+    result = bench(str(fake_topology()), *SMALL, "--reference", "epd", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["reference"] == "epd"
+    assert [(v["arm"], v["reference"]) for v in doc["verdicts"]] == [("aggregated", "epd")] * 2
+    assert [r["ratios"] is None for r in doc["results"]] == [True, False, True, False]
 
 
 def test_an_arm_of_another_model_is_refused(bench: Bench, fake_topology: Callable[..., Path],
