@@ -32,11 +32,19 @@ def epdctl(env: Mapping[str, str], *args: str,
                           capture_output=True, timeout=timeout_s)
 
 
+def _interruptible() -> None:
+    """In the child: SIGINT does what Ctrl+C does. A test run started in the background by a
+    shell inherits SIGINT ignored (POSIX background jobs), and Python then installs no
+    KeyboardInterrupt: a test that interrupts epdctl must undo that for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn_epdctl(env: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
-    """`python -m epdctl ARGS` in the background (its own session: signals reach only it)."""
+    """`python -m epdctl ARGS` in the background (its own session: signals reach only it;
+    SIGINT at its default whatever this test run inherited)."""
     return subprocess.Popen([sys.executable, "-m", "epdctl", *args], env=dict(env), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_interruptible)
 
 
 def edit_topology(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
