@@ -31,20 +31,6 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
     return tuple(listed) + tuple(picked)
 
 
-def _sim_bench_command() -> None:
-    """On the simulated machine, `vllm bench serve` through the CPU build's wrapper (the
-    engines are fake; `vllm` need not be on PATH), unless $EPDCTL_BENCH_COMMAND says."""
-    import os
-    import shlex
-
-    from epdctl.bench.workload import BENCH_COMMAND_ENV
-    from epdctl.gpus import fake_gpu_count
-
-    if fake_gpu_count() is not None and not os.environ.get(BENCH_COMMAND_ENV):
-        os.environ[BENCH_COMMAND_ENV] = shlex.join(
-            [sys.executable, "-m", "epdctl.engines.vllm_cpu", "bench", "serve"])
-
-
 @click.command()
 @click.argument("topology_path", metavar="BASE", type=click.Path(path_type=Path))
 @click.option("--gpus", metavar="LIST", help="GPU indices tune may use, e.g. 0,1,2,3 "
@@ -125,7 +111,7 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
             app.err.print(text, markup=False)
 
     progress = _Err()
-    _sim_bench_command()
+    live.use_sim_bench_command()
     profiler = live.LiveProfiler(app.state_root, out, Bodies(workload, base.model_name),
                                  tokens, timeout_s=timeout_s)
     confirmer = live.LiveConfirmer(workload, app.state_root, out, timeout_s=timeout_s,
