@@ -11,10 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from epdctl.bench.samples import Round
 from epdctl.bench.workload import Workload
+from epdctl.errors import BenchError
 from epdctl.topology import Topology
 from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
-from epdctl.tune.decide import Measured, is_better, next_step
+from epdctl.tune.decide import Measured, corrected, is_better, next_step
 from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
@@ -53,6 +55,8 @@ class Row:
     candidate: Candidate
     prediction: Prediction | None = None
     measured: Measured | None = None
+    corrected: float | None = None
+    """The prediction corrected by the measurements (decide.corrected)."""
     missing: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -61,6 +65,7 @@ class Row:
         return {"name": self.candidate.name, "shape": self.candidate.shape.label,
                 "kind": self.candidate.shape.kind, "gpus": self.candidate.shape.gpus,
                 "predicted_goodput": p.goodput if p else None,
+                "corrected_goodput": self.corrected,
                 "ttft_ms": p.ttft_ms if p else None, "tpot_ms": p.tpot_ms if p else None,
                 "utilization": p.utilization if p else None,
                 "bottleneck": p.bottleneck if p else None,
@@ -162,15 +167,18 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
     measured: dict[str, Measured] = {}
     for name, entry in kept_runs.items():
         if name in by_name:
-            by_name[name].measured = measured[name] = Measured(
-                name, float(entry["goodput"]), points=tuple(map(tuple, entry["points"])))
+            by_name[name].measured = measured[name] = _measured(name, entry)
             progress.line(f"confirmed {name}: kept from {confirmed_path}")
+    predicted = [(r.candidate.name, r.prediction.goodput) for r in ranked if r.prediction]
+    kinds = {r.candidate.name: r.candidate.shape.kind for r in rows}
     cost_s = 0.0
     while True:
-        decision = next_step([(r.candidate.name, r.prediction.goodput) for r in ranked
-                              if r.prediction], measured, must=must,
-                             elapsed_s=clock() - started, budget_s=settings.budget_s,
-                             cost_s=cost_s, max_confirm=settings.max_confirm)
+        order = corrected(dict(predicted), kinds, measured)
+        for name, value in order.items():
+            by_name[name].corrected = round(value, 4)
+        decision = next_step(predicted, measured, must=must, elapsed_s=clock() - started,
+                             budget_s=settings.budget_s, cost_s=cost_s,
+                             max_confirm=settings.max_confirm, order=order)
         if decision.stop or decision.next is None:
             break
         row = by_name[decision.next]
@@ -181,8 +189,9 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         row.measured = measured[row.candidate.name] = confirmer(row.candidate,
                                                                 row.prediction.goodput)
         cost_s = max(cost_s, clock() - t0)
-        kept_runs[row.candidate.name] = {"goodput": row.measured.goodput,
-                                         "points": [list(p) for p in row.measured.points]}
+        kept_runs[row.candidate.name] = {
+            "goodput": row.measured.goodput, "points": [list(p) for p in row.measured.points],
+            "samples": [r.as_json() for r in row.measured.samples]}
         _save(confirmed_path, store_key(settings), kept_runs)
         spent = clock() - started
         left = min(settings.budget_s - spent,
@@ -200,6 +209,17 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         "elapsed_s": round(clock() - started, 1),
         "profile": {k: asdict(v) for k, v in profile.stages.items()},
     }
+
+
+def _measured(name: str, entry: dict[str, Any]) -> Measured:
+    """A confirmation kept in confirmed.json (its samples dropped if they cannot be read:
+    is_better then falls back to the point estimates)."""
+    try:
+        samples = tuple(Round.from_json(r) for r in entry.get("samples") or ())
+    except BenchError:
+        samples = ()
+    return Measured(name, float(entry["goodput"]), points=tuple(map(tuple, entry["points"])),
+                    samples=samples)
 
 
 def _best(measured: Sequence[Measured]) -> Measured | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from epdctl.bench.workload import LoadPoint, Workload
 from epdctl.topology import Topology, parse_topology
 from epdctl.tune.candidates import GIB, Candidate, Shape
@@ -110,3 +112,48 @@ def test_plot_of_a_report(tmp_path: Path) -> None:
     assert write_plot(report, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
     assert not write_plot({"candidates": []}, tmp_path / "none.png")
+
+
+def test_the_measurements_correct_the_other_predictions(tmp_path: Path) -> None:
+    # the stand-in machine does 1.2x the prediction for E|PD, 0.9x for the others
+    report = tune(settings(tmp_path), profiler_calls([]), confirm, Log(), Clock())
+    rows = {r["name"]: r for r in report["candidates"]}
+    confirmed = [r for r in rows.values() if r["measured_goodput"] is not None]
+    assert {r["kind"] for r in confirmed} >= {"aggregated", "e-pd"}
+    for r in rows.values():
+        if r["measured_goodput"] is not None:
+            assert r["corrected_goodput"] == pytest.approx(r["measured_goodput"], abs=1e-3)
+        elif r["kind"] == "e-pd":
+            assert r["corrected_goodput"] == pytest.approx(r["predicted_goodput"] * 1.2,
+                                                           rel=1e-3)
+        elif r["kind"] == "aggregated":
+            assert r["corrected_goodput"] == pytest.approx(r["predicted_goodput"] * 0.9,
+                                                           rel=1e-3)
+
+
+def test_a_rerun_decides_on_the_kept_samples(tmp_path: Path) -> None:
+    from epdctl.bench.samples import Request, Round
+
+    def with_samples(candidate: Candidate, knee: float) -> Measured:
+        got = confirm(candidate, knee)
+        good = 40 if candidate.shape.kind == "e-pd" else 30
+        reqs = tuple(Request(100.0, 20.0, 800.0, i < good) for i in range(40))
+        return replace(got, samples=(Round(40 / got.goodput, got.goodput, reqs),))
+
+    first = tune(settings(tmp_path), profiler_calls([]), with_samples, Log(), Clock())
+    kept: list[str] = []
+
+    def never(candidate: Candidate, knee: float) -> Measured:
+        kept.append(candidate.name)
+        raise AssertionError("kept in confirmed.json")
+
+    again = tune(settings(tmp_path), profiler_calls([]), never, Log(), Clock())
+    assert kept == [] and again["best"] == first["best"]
+    import json
+
+    from epdctl.tune.runner import _measured
+
+    entries = json.loads((tmp_path / "out" / "confirmed.json").read_text())["entries"]
+    back = [_measured(name, e) for name, e in entries.items()]
+    assert back and all(len(m.samples) == 1 and len(m.samples[0].requests) == 40
+                        for m in back)
