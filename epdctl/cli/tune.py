@@ -52,6 +52,9 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
               help="Stop confirming once this is spent (30m, 2h, seconds).")
 @click.option("--max-confirm", type=click.IntRange(2), default=4, show_default=True,
               help="Candidates confirmed with bench at most.")
+@click.option("--confirm-points", "confirm_points", type=click.IntRange(1, 4), default=4,
+              show_default=True, help="Load points per confirmation run, around the "
+              "predicted knee (fewer: faster, a coarser measured knee).")
 @click.option("--model-facts", "facts_file", type=click.Path(path_type=Path), metavar="FILE",
               help="YAML with a `model:` section (heads, weights, kv_per_token): for a model "
               "that is not a local directory (a simulated machine's cost model qualifies).")
@@ -64,7 +67,7 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
               show_default=True, help="Seconds each topology gets to become ready.")
 @pass_app
 def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
-         max_confirm: int, facts_file: Path | None, out_dir: Path | None,
+         max_confirm: int, confirm_points: int, facts_file: Path | None, out_dir: Path | None,
          write_path: Path | None, as_json: bool, timeout_s: float, **opts: Any) -> None:
     """Recommend a topology for a workload and an SLO: profile, predict, confirm with bench"""
     from epdctl.bench.workload import LoadPoint, Workload, parse_image_size, parse_slo
@@ -115,7 +118,7 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     profiler = live.LiveProfiler(app.state_root, out, Bodies(workload, base.model_name),
                                  tokens, timeout_s=timeout_s)
     confirmer = live.LiveConfirmer(workload, app.state_root, out, timeout_s=timeout_s,
-                                   progress=progress)
+                                   progress=progress, points=confirm_points)
     try:
         doc = run_tune(settings, profiler, confirmer, progress)
     except KeyboardInterrupt:

@@ -19,8 +19,9 @@ from epdctl.tune.probes import Bodies, Measurements, profile_running
 from epdctl.tune.profile import LEVELS
 from epdctl.tune.runner import Progress
 
-KNEE_FACTORS = (0.5, 0.8, 1.0, 1.25)
-"""Load points of a confirmation run, as multiples of the predicted knee."""
+KNEE_FACTORS = {1: (1.0,), 2: (0.8, 1.25), 3: (0.5, 1.0, 1.25), 4: (0.5, 0.8, 1.0, 1.25)}
+"""Load points of a confirmation run, as multiples of the predicted knee, by their count
+(`--confirm-points`: fewer is faster, the knee coarser)."""
 
 
 def use_sim_bench_command() -> None:
@@ -92,14 +93,15 @@ class LiveProfiler:
 
 class LiveConfirmer:
     def __init__(self, workload: Workload, state_root: Path, out_dir: Path, *,
-                 timeout_s: float, progress: Progress) -> None:
+                 timeout_s: float, progress: Progress, points: int = 4) -> None:
         self.workload, self.state_root, self.out_dir = workload, state_root, out_dir
         self.timeout_s, self.progress = timeout_s, progress
+        self.factors = KNEE_FACTORS[points]
 
     def __call__(self, candidate: Candidate, predicted: float) -> Measured:
-        """Bench near the predicted knee: KNEE_FACTORS times it."""
+        """Bench near the predicted knee: its KNEE_FACTORS times it."""
         return self.measure(candidate, [round(max(predicted, 0.05) * f, 4)
-                                        for f in KNEE_FACTORS])
+                                        for f in self.factors])
 
     def measure(self, candidate: Candidate, rates: Sequence[float]) -> Measured:
         """Bench the candidate at these Poisson rates (one start); its measured knee."""
