@@ -71,7 +71,7 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
          write_path: Path | None, as_json: bool, timeout_s: float, **opts: Any) -> None:
     """Recommend a topology for a workload and an SLO: profile, predict, confirm with bench"""
     from epdctl.bench.workload import LoadPoint, Workload, parse_image_size, parse_slo
-    from epdctl.cli._tune_render import hints, text_table, write_out
+    from epdctl.cli._tune_render import hints, left_out, text_table, write_out
     from epdctl.errors import BenchError
     from epdctl.topology import load_topology, parse_duration
     from epdctl.tune import live
@@ -135,5 +135,5 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     app.out.print(text_table(doc), markup=False)
     app.out.print(f"best measured: {doc['best'] or '-'}; stopped: {doc['stop_reason']}",
                   markup=False)
-    for line in hints(doc):
+    for line in left_out(doc) + hints(doc):
         app.out.print(line, markup=False)

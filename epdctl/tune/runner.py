@@ -16,7 +16,7 @@ from epdctl.bench.workload import Workload
 from epdctl.errors import BenchError
 from epdctl.topology import Topology
 from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
-from epdctl.tune.decide import Measured, corrected, is_better, next_step
+from epdctl.tune.decide import Decision, Measured, corrected, is_better, next_step
 from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
@@ -102,14 +102,22 @@ def store_key(settings: Settings) -> str:
 
 
 def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Profiler,
-                    progress: Progress, base_placed: Callable[[Shape], Topology]) -> Profile:
-    """Profile every probe shape not already in --out's profiles.json; merge into one."""
+                    progress: Progress, base_placed: Callable[[Shape], Topology],
+                    is_spent: Callable[[], bool] = lambda: False
+                    ) -> tuple[Profile, list[str]]:
+    """Profile every probe shape not already in --out's profiles.json; merge into one. Once
+    `is_spent()`, the probes left are skipped: returned by label (the candidates that need
+    them go unpredicted)."""
     path = settings.out_dir / PROFILES
     key = store_key(settings)
     store = _load(path, key)
+    skipped: list[str] = []
     for shape in probe_shapes([c.shape for c in cands], len(settings.gpus)):
         if shape.label in store:
             progress.line(f"profile {shape.label}: kept from {path}")
+            continue
+        if skipped or is_spent():
+            skipped.append(shape.label)
             continue
         progress.line(f"profile {shape.label}: starting")
         got = profiler(shape, base_placed(shape))
@@ -126,8 +134,10 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
             stages.setdefault(key, StepCost(**cost))
         if entry.get("kv_ms") is not None:
             kv.append(float(entry["kv_ms"]))
+    if skipped:
+        progress.line(f"the budget is spent: not profiled {', '.join(skipped)}")
     return Profile(stages, kv_fixed_ms=sum(kv) / len(kv) if kv else 0.0,
-                   sharing_slowdown=max(sharing, default=0.0))
+                   sharing_slowdown=max(sharing, default=0.0)), skipped
 
 
 def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress: Progress,
@@ -146,7 +156,9 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
 
         return place(settings.base, shape, settings.gpus[: shape.gpus], limits)
 
-    profile = gather_profiles(kept, settings, profiler, progress, placed)
+    profile, not_profiled = gather_profiles(
+        kept, settings, profiler, progress, placed,
+        lambda: clock() - started >= settings.budget_s)
     req = RequestShape(w.images, tokens - w.output_len, w.output_len)
     rows = [Row(c) for c in kept]
     for row in rows:
@@ -176,6 +188,11 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         order = corrected(dict(predicted), kinds, measured)
         for name, value in order.items():
             by_name[name].corrected = round(value, 4)
+        if not_profiled:
+            decision = Decision(True, f"the budget is spent while profiling "
+                                f"({clock() - started:.0f} s of {settings.budget_s:.0f} s)",
+                                left_out=tuple(n for n, _ in predicted if n not in measured))
+            break
         decision = next_step(predicted, measured, must=must, elapsed_s=clock() - started,
                              budget_s=settings.budget_s, cost_s=cost_s,
                              max_confirm=settings.max_confirm, order=order)
@@ -204,6 +221,7 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
                                                        if not r.prediction],
         "left_out": [{"shape": s.label, "reason": why} for s, why in left_out],
         "stop_reason": decision.reason, "not_confirmed": list(decision.left_out),
+        "not_profiled": not_profiled,
         "best": best.name if best else None,
         "best_goodput": best.goodput if best else None,
         "elapsed_s": round(clock() - started, 1),

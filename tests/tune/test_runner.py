@@ -96,10 +96,24 @@ def test_tune_predicts_confirms_and_keeps_profiles(tmp_path: Path) -> None:
 
 
 def test_budget_stops_it_and_says_what_was_left_out(tmp_path: Path) -> None:
-    report = tune(settings(tmp_path, budget_s=0.5), profiler_calls([]), confirm, Log(),
-                  Clock())
-    assert "budget" in report["stop_reason"]
-    assert report["best"] is None and report["not_confirmed"]
+    clock = Clock()
+    calls: list[str] = []
+
+    def slow(candidate: Candidate, knee: float) -> Measured:
+        calls.append(candidate.name)
+        clock.now += 100.0  # a confirmation takes 100 s
+        return confirm(candidate, knee)
+
+    # profiling takes a few ticks; one confirmation fits in the budget, a second does not
+    report = tune(settings(tmp_path, budget_s=150.0), profiler_calls([]), slow, Log(), clock)
+    assert len(calls) == 1
+    assert "budget is spent" in report["stop_reason"] and "a run takes ~101 s" in \
+        report["stop_reason"]
+    assert report["best"] == calls[0]  # what it has
+    assert report["not_confirmed"] and calls[0] not in report["not_confirmed"]
+    predicted = {r["name"] for r in report["candidates"] if r["predicted_goodput"]}
+    assert set(report["not_confirmed"]) == predicted - set(calls)
+    assert report["not_profiled"] == []
 
 
 def test_plot_of_a_report(tmp_path: Path) -> None:
@@ -157,3 +171,29 @@ def test_a_rerun_decides_on_the_kept_samples(tmp_path: Path) -> None:
     back = [_measured(name, e) for name, e in entries.items()]
     assert back and all(len(m.samples) == 1 and len(m.samples[0].requests) == 40
                         for m in back)
+
+
+def test_a_budget_spent_while_profiling_stops_it_there(tmp_path: Path) -> None:
+    calls: list[str] = []
+    clock = Clock()
+    profile = profiler_calls(calls)
+
+    def slow(shape: Shape, topology: Topology) -> Measurements:
+        clock.now += 100.0  # a probe takes 100 s: the budget is spent after the first
+        return profile(shape, topology)
+
+    report = tune(settings(tmp_path, budget_s=50.0), slow, confirm, Log(), clock)
+    assert len(calls) == 1 and report["not_profiled"]
+    assert set(report["not_profiled"]).isdisjoint(calls)
+    rows = report["candidates"]
+    unpredicted = [r for r in rows if r["predicted_goodput"] is None]
+    assert unpredicted and all(r["not_profiled"] for r in unpredicted)
+    assert any(r["predicted_goodput"] is not None for r in rows)  # what it has
+    assert "budget" in report["stop_reason"] and report["best"] is None
+
+    from epdctl.cli._tune_render import left_out, markdown
+
+    said = left_out(report)
+    assert said[0].startswith("not profiled") and report["not_profiled"][0] in said[0]
+    assert said[1].startswith("not confirmed: ")
+    assert "Not profiled (so not predicted): " in markdown(report)
