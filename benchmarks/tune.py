@@ -1,7 +1,7 @@
 """`epdctl tune` against an exhaustive sweep, on the simulated machine.
 
     .venv/bin/python benchmarks/tune.py [--models encode-heavy,decode-heavy,sharing-sensitive]
-        [--gpus 4,8] [--num-prompts 20] [--budget 20m] [--sweep N] [--out DIR]
+        [--gpus 4,8] [--num-prompts 60] [--budget 20m] [--sweep N] [--out DIR]
 
 For each cost model of examples/sim/ and each fake-GPU count: `epdctl tune` runs on the
 base, workload and SLO (its pick, predictions and wall time); then every candidate `tune`
@@ -178,7 +178,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="encode-heavy,decode-heavy,sharing-sensitive")
     parser.add_argument("--gpus", default="4,8")
-    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--num-prompts", type=int, default=60)
     parser.add_argument("--budget", default="20m")
     parser.add_argument("--sweep", type=int, default=0,
                         help="candidates swept per run (0: every one)")
