@@ -39,6 +39,17 @@ def hints(doc: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def left_out(doc: Mapping[str, Any]) -> list[str]:
+    """What the run did not get to (the budget, the stop rule): said after the table."""
+    lines = []
+    if doc.get("not_profiled"):
+        lines.append("not profiled (no prediction for the candidates needing them): "
+                     + ", ".join(doc["not_profiled"]))
+    if doc.get("not_confirmed"):
+        lines.append("not confirmed: " + ", ".join(doc["not_confirmed"]))
+    return lines
+
+
 def text_table(doc: Mapping[str, Any]) -> str:
     table = rows(doc)
     widths = [max(len(r[i]) for r in table) for i in range(len(HEADERS))]
@@ -55,6 +66,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
     if doc.get("not_confirmed"):
         lines += ["", "Not confirmed: " + ", ".join(f"`{n}`" for n in doc["not_confirmed"])]
+    if doc.get("not_profiled"):
+        lines += ["", "Not profiled (so not predicted): "
+                  + ", ".join(f"`{n}`" for n in doc["not_profiled"])]
     if doc.get("left_out"):
         lines += ["", "Left out (memory):"] + [f"- {x['shape']}: {x['reason']}"
                                                 for x in doc["left_out"]]

@@ -31,20 +31,6 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
     return tuple(listed) + tuple(picked)
 
 
-def _sim_bench_command() -> None:
-    """On the simulated machine, `vllm bench serve` through the CPU build's wrapper (the
-    engines are fake; `vllm` need not be on PATH), unless $EPDCTL_BENCH_COMMAND says."""
-    import os
-    import shlex
-
-    from epdctl.bench.workload import BENCH_COMMAND_ENV
-    from epdctl.gpus import fake_gpu_count
-
-    if fake_gpu_count() is not None and not os.environ.get(BENCH_COMMAND_ENV):
-        os.environ[BENCH_COMMAND_ENV] = shlex.join(
-            [sys.executable, "-m", "epdctl.engines.vllm_cpu", "bench", "serve"])
-
-
 @click.command()
 @click.argument("topology_path", metavar="BASE", type=click.Path(path_type=Path))
 @click.option("--gpus", metavar="LIST", help="GPU indices tune may use, e.g. 0,1,2,3 "
@@ -66,6 +52,9 @@ def _sim_bench_command() -> None:
               help="Stop confirming once this is spent (30m, 2h, seconds).")
 @click.option("--max-confirm", type=click.IntRange(2), default=4, show_default=True,
               help="Candidates confirmed with bench at most.")
+@click.option("--confirm-points", "confirm_points", type=click.IntRange(1, 4), default=4,
+              show_default=True, help="Load points per confirmation run, around the "
+              "predicted knee (fewer: faster, a coarser measured knee).")
 @click.option("--model-facts", "facts_file", type=click.Path(path_type=Path), metavar="FILE",
               help="YAML with a `model:` section (heads, weights, kv_per_token): for a model "
               "that is not a local directory (a simulated machine's cost model qualifies).")
@@ -78,11 +67,11 @@ def _sim_bench_command() -> None:
               show_default=True, help="Seconds each topology gets to become ready.")
 @pass_app
 def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
-         max_confirm: int, facts_file: Path | None, out_dir: Path | None,
+         max_confirm: int, confirm_points: int, facts_file: Path | None, out_dir: Path | None,
          write_path: Path | None, as_json: bool, timeout_s: float, **opts: Any) -> None:
     """Recommend a topology for a workload and an SLO: profile, predict, confirm with bench"""
     from epdctl.bench.workload import LoadPoint, Workload, parse_image_size, parse_slo
-    from epdctl.cli._tune_render import hints, text_table, write_out
+    from epdctl.cli._tune_render import hints, left_out, text_table, write_out
     from epdctl.errors import BenchError
     from epdctl.topology import load_topology, parse_duration
     from epdctl.tune import live
@@ -125,11 +114,11 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
             app.err.print(text, markup=False)
 
     progress = _Err()
-    _sim_bench_command()
+    live.use_sim_bench_command()
     profiler = live.LiveProfiler(app.state_root, out, Bodies(workload, base.model_name),
                                  tokens, timeout_s=timeout_s)
     confirmer = live.LiveConfirmer(workload, app.state_root, out, timeout_s=timeout_s,
-                                   progress=progress)
+                                   progress=progress, points=confirm_points)
     try:
         doc = run_tune(settings, profiler, confirmer, progress)
     except KeyboardInterrupt:
@@ -146,5 +135,5 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     app.out.print(text_table(doc), markup=False)
     app.out.print(f"best measured: {doc['best'] or '-'}; stopped: {doc['stop_reason']}",
                   markup=False)
-    for line in hints(doc):
+    for line in left_out(doc) + hints(doc):
         app.out.print(line, markup=False)

@@ -3,13 +3,20 @@ candidate beats another (the one place that decides it), and when to stop confir
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from epdctl.bench.samples import Round
 from epdctl.tune.model import ATTAINMENT
 
 MARGIN = 0.05
-"""Without intervals, a goodput must be this much higher to count as better."""
+"""Without samples or intervals, a goodput must be this much higher to count as better."""
+VERDICT_SEED = 0
+"""The bootstrap's seed for is_better's summaries: the same samples, the same decision."""
+RATIO_BOUNDS = (0.05, 20.0)
+"""A measured/predicted ratio is clamped to this before it corrects other predictions (a
+run that measured 0 must not zero every other prediction of its kind)."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,9 @@ class Measured:
     high: float | None = None
     points: tuple[tuple[float, float], ...] = ()
     """(request rate, share of requests within the SLO) per load point run."""
+    samples: tuple[Round, ...] = ()
+    """The per-request samples of its knee point (the highest rate before the first one that
+    misses the SLO share), one Round per run of it: what is_better judges."""
 
 
 def attainment(figures: Mapping[str, float | int | None]) -> float | None:
@@ -30,6 +40,18 @@ def attainment(figures: Mapping[str, float | int | None]) -> float | None:
     if good is None or not total:
         return None
     return min(float(good) / float(total), 1.0)
+
+
+def knee_rate(points: Sequence[tuple[float, float]], target: float = ATTAINMENT
+              ) -> float | None:
+    """The rate of the knee point: the highest rate before the first that misses `target`
+    (None: even the lowest misses)."""
+    best = None
+    for rate, share in sorted(points):
+        if share < target:
+            break
+        best = rate
+    return best
 
 
 def knee(points: Sequence[tuple[float, float]], target: float = ATTAINMENT) -> float:
@@ -48,12 +70,18 @@ def knee(points: Sequence[tuple[float, float]], target: float = ATTAINMENT) -> f
 
 
 def is_better(a: Measured, b: Measured) -> bool | None:
-    """True: a beats b; False: b beats a; None: not decided. With intervals, they must not
-    overlap; without, one goodput must be MARGIN higher. (Where bench's verdicts land, they
-    replace this body: every decision of tune goes through here.)"""
-    if None not in (a.low, a.high, b.low, b.high):
-        assert a.low is not None and a.high is not None and b.low is not None \
-            and b.high is not None
+    """True: a beats b; False: b beats a; None: not decided. Every decision of tune goes
+    through here.
+
+    With both knee points' samples: bench's verdict (`judge`) on the goodput (good
+    requests/s) of a's knee point over b's: better or worse only where its interval lies
+    wholly outside 5 % of 1. Only goodput is weighed: the two points run at different
+    rates, so their latencies do not compare. Else, with intervals, they must not overlap;
+    else one goodput must be MARGIN higher."""
+    if a.samples and b.samples:
+        return _verdict(a, b)
+    if a.low is not None and a.high is not None and b.low is not None \
+            and b.high is not None:
         if a.low > b.high:
             return True
         if b.low > a.high:
@@ -64,6 +92,41 @@ def is_better(a: Measured, b: Measured) -> bool | None:
     if b.goodput > a.goodput * (1 + MARGIN):
         return False
     return None
+
+
+def _verdict(a: Measured, b: Measured) -> bool | None:
+    from epdctl.bench.stats import summarize
+    from epdctl.bench.verdicts import Comparison, judge
+
+    mine = summarize(a.samples, True, VERDICT_SEED)
+    theirs = summarize(b.samples, True, VERDICT_SEED)
+    (verdict,) = judge([Comparison(0, "knee", a.name, b.name, mine, theirs)], has_slo=True)
+    side = (verdict["figures"].get("request_goodput") or {}).get("side")
+    return True if side == "better" else False if side == "worse" else None
+
+
+def corrected(predicted: Mapping[str, float], kinds: Mapping[str, str],
+              measured: Mapping[str, Measured]) -> dict[str, float]:
+    """The predictions corrected by what confirmation measured: a confirmed candidate's is
+    its measurement; any other's is scaled by the geometric mean of measured/predicted over
+    the confirmed candidates of its kind (aggregated, E|PD, E|P|D: they share the stages
+    the model got wrong), else over every confirmed one; with none confirmed, unchanged."""
+    def gmean(names: Sequence[str]) -> float | None:
+        ratios = [min(max(measured[n].goodput / predicted[n], RATIO_BOUNDS[0]),
+                      RATIO_BOUNDS[1]) for n in names if predicted.get(n)]
+        return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+
+    overall = gmean([n for n in measured if n in predicted])
+    out: dict[str, float] = {}
+    for name, guess in predicted.items():
+        if name in measured:
+            out[name] = measured[name].goodput
+            continue
+        same = gmean([n for n in measured if kinds.get(n) == kinds.get(name)
+                      and n in predicted])
+        ratio = same if same is not None else overall
+        out[name] = guess * ratio if ratio is not None else guess
+    return out
 
 
 @dataclass(frozen=True)
@@ -77,17 +140,22 @@ class Decision:
 
 def next_step(predicted: Sequence[tuple[str, float]], measured: Mapping[str, Measured], *,
               must: Sequence[str] = (), elapsed_s: float, budget_s: float,
-              cost_s: float, max_confirm: int = 4, min_confirm: int = 2) -> Decision:
+              cost_s: float, max_confirm: int = 4, min_confirm: int = 2,
+              order: Mapping[str, float] | None = None) -> Decision:
     """Whom to confirm next, or why to stop.
 
-    `predicted` is (name, predicted goodput), best first. The candidates in `must` (the
-    aggregated one) are confirmed first. Stops when the next run would not fit in the
-    budget; when `max_confirm` have run; or, once `min_confirm` have run, when no
-    unconfirmed candidate could beat the best measured one even if the model underrates it
-    as much as it underrated any confirmed candidate.
+    `predicted` is (name, predicted goodput), best first; `order` (the predictions as
+    corrected by the measurements, see `corrected`), where given, ranks the unconfirmed
+    ones instead. The candidates in `must` (the aggregated one) are confirmed first. Stops
+    when the next run would not fit in the budget; when `max_confirm` have run; or, once
+    `min_confirm` have run, when no unconfirmed candidate could beat the best measured one
+    even if the model underrates it as much as it underrated any confirmed candidate.
     """
+    ranked = [n for n, _ in predicted]
+    if order is not None:
+        ranked.sort(key=lambda n: -order.get(n, 0.0))
     pending = [n for n in must if n not in measured] + [
-        n for n, _ in predicted if n not in measured and n not in must]
+        n for n in ranked if n not in measured and n not in must]
     if not pending:
         return Decision(True, "every candidate is confirmed")
     if elapsed_s + cost_s > budget_s:
@@ -101,8 +169,8 @@ def next_step(predicted: Sequence[tuple[str, float]], measured: Mapping[str, Mea
     ratios = [m.goodput / guess[n] for n, m in measured.items() if guess.get(n)]
     optimistic = max(ratios, default=1.0)
     best = max(measured.values(), key=lambda m: m.goodput)
-    top = pending[0]
-    if guess.get(top, 0.0) * optimistic <= best.goodput:
+    # The bound is over the raw predictions: `order` may rank another first.
+    if max(guess.get(n, 0.0) for n in pending) * optimistic <= best.goodput:
         return Decision(True, f"decided: `{best.name}` measured {best.goodput:.3g} req/s; no "
                         "unconfirmed candidate is predicted to beat it", left_out=tuple(pending))
-    return Decision(False, "confirm next", top)
+    return Decision(False, "confirm next", pending[0])

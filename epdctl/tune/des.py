@@ -29,11 +29,18 @@ class StepCost:
     max_seqs: int = 256
     is_exponential: bool = False
     """Draw each step's time from an exponential of that mean (M/M/1 checks)."""
+    prefill_fixed_ms: float | None = None
+    """PD: the fixed cost of a step that prefills (or encodes), where it differs from a
+    decode-only step's `fixed_ms`; such a step pays the larger. A decode-only step never
+    pays it (vLLM's and the fake engine's steps pay for the work they do)."""
 
     def ms(self, images: int, tokens: int, seqs: int, context: int) -> float:
         if not (images or tokens or seqs):
             return 0.0
-        return (self.fixed_ms + self.per_image_ms * images + self.per_token_ms * tokens
+        fixed = self.fixed_ms
+        if self.prefill_fixed_ms is not None and (images or tokens):
+            fixed = max(fixed, self.prefill_fixed_ms)
+        return (fixed + self.per_image_ms * images + self.per_token_ms * tokens
                 + self.per_seq_ms * seqs + self.per_kctx_ms * context / 1000)
 
 

@@ -14,13 +14,29 @@ from epdctl.bench.workload import LoadPoint, Workload
 from epdctl.state import RunState
 from epdctl.topology import Topology
 from epdctl.tune.candidates import Candidate, Shape
-from epdctl.tune.decide import Measured, attainment, knee
+from epdctl.tune.decide import Measured, attainment, knee, knee_rate
 from epdctl.tune.probes import Bodies, Measurements, profile_running
 from epdctl.tune.profile import LEVELS
 from epdctl.tune.runner import Progress
 
-KNEE_FACTORS = (0.5, 0.8, 1.0, 1.25)
-"""Load points of a confirmation run, as multiples of the predicted knee."""
+KNEE_FACTORS = {1: (1.0,), 2: (0.8, 1.25), 3: (0.5, 1.0, 1.25), 4: (0.5, 0.8, 1.0, 1.25)}
+"""Load points of a confirmation run, as multiples of the predicted knee, by their count
+(`--confirm-points`: fewer is faster, the knee coarser)."""
+
+
+def use_sim_bench_command() -> None:
+    """On the simulated machine, `vllm bench serve` through the CPU build's wrapper (the
+    engines are fake; `vllm` need not be on PATH), unless $EPDCTL_BENCH_COMMAND says."""
+    import os
+    import shlex
+    import sys
+
+    from epdctl.bench.workload import BENCH_COMMAND_ENV
+    from epdctl.gpus import fake_gpu_count
+
+    if fake_gpu_count() is not None and not os.environ.get(BENCH_COMMAND_ENV):
+        os.environ[BENCH_COMMAND_ENV] = shlex.join(
+            [sys.executable, "-m", "epdctl.engines.vllm_cpu", "bench", "serve"])
 
 
 def write_topology(topology: Topology, path: Path) -> Path:
@@ -77,14 +93,15 @@ class LiveProfiler:
 
 class LiveConfirmer:
     def __init__(self, workload: Workload, state_root: Path, out_dir: Path, *,
-                 timeout_s: float, progress: Progress) -> None:
+                 timeout_s: float, progress: Progress, points: int = 4) -> None:
         self.workload, self.state_root, self.out_dir = workload, state_root, out_dir
         self.timeout_s, self.progress = timeout_s, progress
+        self.factors = KNEE_FACTORS[points]
 
     def __call__(self, candidate: Candidate, predicted: float) -> Measured:
-        """Bench near the predicted knee: KNEE_FACTORS times it."""
+        """Bench near the predicted knee: its KNEE_FACTORS times it."""
         return self.measure(candidate, [round(max(predicted, 0.05) * f, 4)
-                                        for f in KNEE_FACTORS])
+                                        for f in self.factors])
 
     def measure(self, candidate: Candidate, rates: Sequence[float]) -> Measured:
         """Bench the candidate at these Poisson rates (one start); its measured knee."""
@@ -101,7 +118,10 @@ class LiveConfirmer:
                           prompts=greedy_prompts(image_limit(candidate.topology))[:1])
         points = tuple((rates[p.index], share) for p in run.points
                        if (share := attainment(p.figures)) is not None)
-        return Measured(candidate.name, knee(points), points=points)
+        at = knee_rate(points)
+        samples = tuple(p.samples for p in run.points
+                        if p.samples is not None and at is not None and rates[p.index] == at)
+        return Measured(candidate.name, knee(points), points=points, samples=samples)
 
 
 def figures_of(measured: Measured) -> dict[str, Any]:

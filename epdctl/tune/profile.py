@@ -133,8 +133,10 @@ async def profile_decode(send: Send, url: str, body: Body,
 
 def combine(prefill: StepCost, decode: StepCost, max_seqs: int | None = None,
             max_tokens: int | None = None) -> StepCost:
-    """One instance that prefills and decodes (PD): a step pays one fixed cost, the larger."""
-    cost = replace(decode, fixed_ms=max(prefill.fixed_ms, decode.fixed_ms),
+    """One instance that prefills and decodes (PD): a step that prefills pays the larger
+    fixed cost, a decode-only step the decode's (charging a prefill's fixed cost to every
+    decode step made PD's predicted TPOT a prefill's, and its goodput near 0)."""
+    cost = replace(decode, prefill_fixed_ms=prefill.fixed_ms,
                    per_token_ms=prefill.per_token_ms, per_image_ms=prefill.per_image_ms)
     if max_seqs:
         cost = replace(cost, max_seqs=max_seqs)

@@ -11,10 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from epdctl.bench.samples import Round
 from epdctl.bench.workload import Workload
+from epdctl.errors import BenchError
 from epdctl.topology import Topology
 from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
-from epdctl.tune.decide import Measured, is_better, next_step
+from epdctl.tune.decide import Decision, Measured, corrected, is_better, next_step
 from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
@@ -53,6 +55,8 @@ class Row:
     candidate: Candidate
     prediction: Prediction | None = None
     measured: Measured | None = None
+    corrected: float | None = None
+    """The prediction corrected by the measurements (decide.corrected)."""
     missing: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -61,6 +65,7 @@ class Row:
         return {"name": self.candidate.name, "shape": self.candidate.shape.label,
                 "kind": self.candidate.shape.kind, "gpus": self.candidate.shape.gpus,
                 "predicted_goodput": p.goodput if p else None,
+                "corrected_goodput": self.corrected,
                 "ttft_ms": p.ttft_ms if p else None, "tpot_ms": p.tpot_ms if p else None,
                 "utilization": p.utilization if p else None,
                 "bottleneck": p.bottleneck if p else None,
@@ -97,14 +102,22 @@ def store_key(settings: Settings) -> str:
 
 
 def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Profiler,
-                    progress: Progress, base_placed: Callable[[Shape], Topology]) -> Profile:
-    """Profile every probe shape not already in --out's profiles.json; merge into one."""
+                    progress: Progress, base_placed: Callable[[Shape], Topology],
+                    is_spent: Callable[[], bool] = lambda: False
+                    ) -> tuple[Profile, list[str]]:
+    """Profile every probe shape not already in --out's profiles.json; merge into one. Once
+    `is_spent()`, the probes left are skipped: returned by label (the candidates that need
+    them go unpredicted)."""
     path = settings.out_dir / PROFILES
     key = store_key(settings)
     store = _load(path, key)
+    skipped: list[str] = []
     for shape in probe_shapes([c.shape for c in cands], len(settings.gpus)):
         if shape.label in store:
             progress.line(f"profile {shape.label}: kept from {path}")
+            continue
+        if skipped or is_spent():
+            skipped.append(shape.label)
             continue
         progress.line(f"profile {shape.label}: starting")
         got = profiler(shape, base_placed(shape))
@@ -121,8 +134,10 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
             stages.setdefault(key, StepCost(**cost))
         if entry.get("kv_ms") is not None:
             kv.append(float(entry["kv_ms"]))
+    if skipped:
+        progress.line(f"the budget is spent: not profiled {', '.join(skipped)}")
     return Profile(stages, kv_fixed_ms=sum(kv) / len(kv) if kv else 0.0,
-                   sharing_slowdown=max(sharing, default=0.0))
+                   sharing_slowdown=max(sharing, default=0.0)), skipped
 
 
 def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress: Progress,
@@ -141,7 +156,9 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
 
         return place(settings.base, shape, settings.gpus[: shape.gpus], limits)
 
-    profile = gather_profiles(kept, settings, profiler, progress, placed)
+    profile, not_profiled = gather_profiles(
+        kept, settings, profiler, progress, placed,
+        lambda: clock() - started >= settings.budget_s)
     req = RequestShape(w.images, tokens - w.output_len, w.output_len)
     rows = [Row(c) for c in kept]
     for row in rows:
@@ -162,15 +179,23 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
     measured: dict[str, Measured] = {}
     for name, entry in kept_runs.items():
         if name in by_name:
-            by_name[name].measured = measured[name] = Measured(
-                name, float(entry["goodput"]), points=tuple(map(tuple, entry["points"])))
+            by_name[name].measured = measured[name] = _measured(name, entry)
             progress.line(f"confirmed {name}: kept from {confirmed_path}")
+    predicted = [(r.candidate.name, r.prediction.goodput) for r in ranked if r.prediction]
+    kinds = {r.candidate.name: r.candidate.shape.kind for r in rows}
     cost_s = 0.0
     while True:
-        decision = next_step([(r.candidate.name, r.prediction.goodput) for r in ranked
-                              if r.prediction], measured, must=must,
-                             elapsed_s=clock() - started, budget_s=settings.budget_s,
-                             cost_s=cost_s, max_confirm=settings.max_confirm)
+        order = corrected(dict(predicted), kinds, measured)
+        for name, value in order.items():
+            by_name[name].corrected = round(value, 4)
+        if not_profiled:
+            decision = Decision(True, f"the budget is spent while profiling "
+                                f"({clock() - started:.0f} s of {settings.budget_s:.0f} s)",
+                                left_out=tuple(n for n, _ in predicted if n not in measured))
+            break
+        decision = next_step(predicted, measured, must=must, elapsed_s=clock() - started,
+                             budget_s=settings.budget_s, cost_s=cost_s,
+                             max_confirm=settings.max_confirm, order=order)
         if decision.stop or decision.next is None:
             break
         row = by_name[decision.next]
@@ -181,8 +206,9 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         row.measured = measured[row.candidate.name] = confirmer(row.candidate,
                                                                 row.prediction.goodput)
         cost_s = max(cost_s, clock() - t0)
-        kept_runs[row.candidate.name] = {"goodput": row.measured.goodput,
-                                         "points": [list(p) for p in row.measured.points]}
+        kept_runs[row.candidate.name] = {
+            "goodput": row.measured.goodput, "points": [list(p) for p in row.measured.points],
+            "samples": [r.as_json() for r in row.measured.samples]}
         _save(confirmed_path, store_key(settings), kept_runs)
         spent = clock() - started
         left = min(settings.budget_s - spent,
@@ -195,11 +221,23 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
                                                        if not r.prediction],
         "left_out": [{"shape": s.label, "reason": why} for s, why in left_out],
         "stop_reason": decision.reason, "not_confirmed": list(decision.left_out),
+        "not_profiled": not_profiled,
         "best": best.name if best else None,
         "best_goodput": best.goodput if best else None,
         "elapsed_s": round(clock() - started, 1),
         "profile": {k: asdict(v) for k, v in profile.stages.items()},
     }
+
+
+def _measured(name: str, entry: dict[str, Any]) -> Measured:
+    """A confirmation kept in confirmed.json (its samples dropped if they cannot be read:
+    is_better then falls back to the point estimates)."""
+    try:
+        samples = tuple(Round.from_json(r) for r in entry.get("samples") or ())
+    except BenchError:
+        samples = ()
+    return Measured(name, float(entry["goodput"]), points=tuple(map(tuple, entry["points"])),
+                    samples=samples)
 
 
 def _best(measured: Sequence[Measured]) -> Measured | None:

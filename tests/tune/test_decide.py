@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from epdctl.tune.decide import Measured, attainment, is_better, knee, next_step
+from epdctl.bench.samples import Request, Round
+from epdctl.tune.decide import (
+    Measured,
+    attainment,
+    corrected,
+    is_better,
+    knee,
+    knee_rate,
+    next_step,
+)
 
 
 def test_attainment_and_knee() -> None:
@@ -68,3 +77,63 @@ def test_confirms_at_least_two() -> None:
     step = next_step(PRED, {"agg": Measured("agg", 50.0)}, must=["agg"], elapsed_s=0,
                      budget_s=100, cost_s=1)
     assert (step.stop, step.next) == (False, "x")
+
+
+def rounds(rate: float, good: int, n: int = 40, latency_ms: float = 800.0,
+           jitter_ms: float = 0.0) -> tuple[Round, ...]:
+    """One round of `n` requests at `rate` req/s, `good` of them within the SLO."""
+    requests = tuple(Request(100.0, 20.0, latency_ms + jitter_ms * ((i * 7) % 5 - 2),
+                             i < good) for i in range(n))
+    return (Round(n / rate, rate, requests),)
+
+
+def test_knee_rate_is_the_last_point_before_the_first_miss() -> None:
+    assert knee_rate([(4.0, 0.5), (1.0, 0.95), (2.0, 0.91)]) == 2.0
+    assert knee_rate([(1.0, 0.95), (2.0, 0.5), (4.0, 0.95)]) == 1.0
+    assert knee_rate([(1.0, 0.5)]) is None
+
+
+def test_is_better_takes_benchs_verdict_where_there_are_samples() -> None:
+    fast = Measured("fast", 10.0, samples=rounds(10.0, 40))
+    slow = Measured("slow", 5.0, samples=rounds(5.0, 40))
+    assert is_better(fast, slow) is True and is_better(slow, fast) is False
+    # 10 % apart in the point estimates (MARGIN alone would call it) but 40 requests with
+    # 36 vs 40 within the SLO: the goodput ratio's interval spans 1, so not decided
+    a = Measured("a", 10.0, samples=rounds(10.0, 40, jitter_ms=200))
+    b = Measured("b", 9.0, samples=rounds(10.0, 36, jitter_ms=200))
+    assert is_better(a, b) is None and is_better(b, a) is None
+    assert is_better(Measured("a", 10.0), Measured("b", 9.0)) is True
+    # the verdict is on the samples, not on the goodput field
+    same = rounds(8.0, 40)
+    assert is_better(Measured("x", 10.0, samples=same), Measured("y", 5.0, samples=same)) \
+        is None
+
+
+def test_is_better_without_samples_on_one_side_uses_the_point_estimates() -> None:
+    assert is_better(Measured("a", 10.0, samples=rounds(10.0, 40)), Measured("b", 8.0)) \
+        is True
+
+
+def test_predictions_corrected_by_the_measurements() -> None:
+    predicted = {"agg": 10.0, "e1": 8.0, "e2": 6.0, "epd": 5.0}
+    kinds = {"agg": "aggregated", "e1": "e-pd", "e2": "e-pd", "epd": "epd"}
+    got = corrected(predicted, kinds, {"agg": Measured("agg", 5.0),
+                                      "e1": Measured("e1", 12.0)})
+    assert got["agg"] == 5.0 and got["e1"] == 12.0  # measured: the measurement
+    assert got["e2"] == pytest.approx(6.0 * 1.5)  # its kind's ratio
+    assert got["epd"] == pytest.approx(5.0 * (0.5 * 1.5) ** 0.5)  # no kin: every ratio's
+    assert corrected(predicted, kinds, {}) == predicted
+    # a run that measured nothing does not zero its kind
+    assert corrected(predicted, kinds, {"e1": Measured("e1", 0.0)})["e2"] > 0
+
+
+def test_the_corrected_predictions_order_what_is_confirmed_next() -> None:
+    pred = [("x", 10.0), ("x2", 9.5), ("y", 9.0), ("agg", 5.0)]
+    kinds = {"x": "e-pd", "x2": "e-pd", "y": "epd", "agg": "aggregated"}
+    measured = {"agg": Measured("agg", 10.0), "x": Measured("x", 5.0)}
+    order = corrected(dict(pred), kinds, measured)
+    step = next_step(pred, measured, must=["agg"], elapsed_s=0, budget_s=100, cost_s=1)
+    assert step.next == "x2"  # by the raw predictions
+    step = next_step(pred, measured, must=["agg"], elapsed_s=0, budget_s=100, cost_s=1,
+                     order=order)
+    assert step.next == "y"  # E|PD was overrated 2x; y's kind was not seen

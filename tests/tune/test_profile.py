@@ -121,3 +121,14 @@ def test_slowdown() -> None:
     assert slowdown(0.010, 0.015) == pytest.approx(0.5)
     assert slowdown(0.010, 0.009) == 0.0
     assert slowdown(0.0, 1.0) == 0.0
+
+
+def test_pd_pays_the_prefill_fixed_cost_only_on_steps_that_prefill() -> None:
+    from epdctl.tune.des import StepCost
+
+    pd = combine(StepCost(fixed_ms=50.0, per_token_ms=0.1),
+                 StepCost(fixed_ms=10.0, per_seq_ms=1.0))
+    assert pd.ms(0, 0, 4, 0) == pytest.approx(14.0)  # decode only: decode's fixed cost
+    assert pd.ms(0, 100, 4, 0) == pytest.approx(50.0 + 10.0 + 4.0)  # the larger one
+    assert combine(StepCost(fixed_ms=5.0), StepCost(fixed_ms=10.0)).ms(0, 100, 0, 0) \
+        == pytest.approx(10.0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from epdctl.bench.workload import LoadPoint, Workload
 from epdctl.topology import Topology, parse_topology
 from epdctl.tune.candidates import GIB, Candidate, Shape
@@ -94,10 +96,24 @@ def test_tune_predicts_confirms_and_keeps_profiles(tmp_path: Path) -> None:
 
 
 def test_budget_stops_it_and_says_what_was_left_out(tmp_path: Path) -> None:
-    report = tune(settings(tmp_path, budget_s=0.5), profiler_calls([]), confirm, Log(),
-                  Clock())
-    assert "budget" in report["stop_reason"]
-    assert report["best"] is None and report["not_confirmed"]
+    clock = Clock()
+    calls: list[str] = []
+
+    def slow(candidate: Candidate, knee: float) -> Measured:
+        calls.append(candidate.name)
+        clock.now += 100.0  # a confirmation takes 100 s
+        return confirm(candidate, knee)
+
+    # profiling takes a few ticks; one confirmation fits in the budget, a second does not
+    report = tune(settings(tmp_path, budget_s=150.0), profiler_calls([]), slow, Log(), clock)
+    assert len(calls) == 1
+    assert "budget is spent" in report["stop_reason"] and "a run takes ~101 s" in \
+        report["stop_reason"]
+    assert report["best"] == calls[0]  # what it has
+    assert report["not_confirmed"] and calls[0] not in report["not_confirmed"]
+    predicted = {r["name"] for r in report["candidates"] if r["predicted_goodput"]}
+    assert set(report["not_confirmed"]) == predicted - set(calls)
+    assert report["not_profiled"] == []
 
 
 def test_plot_of_a_report(tmp_path: Path) -> None:
@@ -110,3 +126,74 @@ def test_plot_of_a_report(tmp_path: Path) -> None:
     assert write_plot(report, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
     assert not write_plot({"candidates": []}, tmp_path / "none.png")
+
+
+def test_the_measurements_correct_the_other_predictions(tmp_path: Path) -> None:
+    # the stand-in machine does 1.2x the prediction for E|PD, 0.9x for the others
+    report = tune(settings(tmp_path), profiler_calls([]), confirm, Log(), Clock())
+    rows = {r["name"]: r for r in report["candidates"]}
+    confirmed = [r for r in rows.values() if r["measured_goodput"] is not None]
+    assert {r["kind"] for r in confirmed} >= {"aggregated", "e-pd"}
+    for r in rows.values():
+        if r["measured_goodput"] is not None:
+            assert r["corrected_goodput"] == pytest.approx(r["measured_goodput"], abs=1e-3)
+        elif r["kind"] == "e-pd":
+            assert r["corrected_goodput"] == pytest.approx(r["predicted_goodput"] * 1.2,
+                                                           rel=1e-3)
+        elif r["kind"] == "aggregated":
+            assert r["corrected_goodput"] == pytest.approx(r["predicted_goodput"] * 0.9,
+                                                           rel=1e-3)
+
+
+def test_a_rerun_decides_on_the_kept_samples(tmp_path: Path) -> None:
+    from epdctl.bench.samples import Request, Round
+
+    def with_samples(candidate: Candidate, knee: float) -> Measured:
+        got = confirm(candidate, knee)
+        good = 40 if candidate.shape.kind == "e-pd" else 30
+        reqs = tuple(Request(100.0, 20.0, 800.0, i < good) for i in range(40))
+        return replace(got, samples=(Round(40 / got.goodput, got.goodput, reqs),))
+
+    first = tune(settings(tmp_path), profiler_calls([]), with_samples, Log(), Clock())
+    kept: list[str] = []
+
+    def never(candidate: Candidate, knee: float) -> Measured:
+        kept.append(candidate.name)
+        raise AssertionError("kept in confirmed.json")
+
+    again = tune(settings(tmp_path), profiler_calls([]), never, Log(), Clock())
+    assert kept == [] and again["best"] == first["best"]
+    import json
+
+    from epdctl.tune.runner import _measured
+
+    entries = json.loads((tmp_path / "out" / "confirmed.json").read_text())["entries"]
+    back = [_measured(name, e) for name, e in entries.items()]
+    assert back and all(len(m.samples) == 1 and len(m.samples[0].requests) == 40
+                        for m in back)
+
+
+def test_a_budget_spent_while_profiling_stops_it_there(tmp_path: Path) -> None:
+    calls: list[str] = []
+    clock = Clock()
+    profile = profiler_calls(calls)
+
+    def slow(shape: Shape, topology: Topology) -> Measurements:
+        clock.now += 100.0  # a probe takes 100 s: the budget is spent after the first
+        return profile(shape, topology)
+
+    report = tune(settings(tmp_path, budget_s=50.0), slow, confirm, Log(), clock)
+    assert len(calls) == 1 and report["not_profiled"]
+    assert set(report["not_profiled"]).isdisjoint(calls)
+    rows = report["candidates"]
+    unpredicted = [r for r in rows if r["predicted_goodput"] is None]
+    assert unpredicted and all(r["not_profiled"] for r in unpredicted)
+    assert any(r["predicted_goodput"] is not None for r in rows)  # what it has
+    assert "budget" in report["stop_reason"] and report["best"] is None
+
+    from epdctl.cli._tune_render import left_out, markdown
+
+    said = left_out(report)
+    assert said[0].startswith("not profiled") and report["not_profiled"][0] in said[0]
+    assert said[1].startswith("not confirmed: ")
+    assert "Not profiled (so not predicted): " in markdown(report)
