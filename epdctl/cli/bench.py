@@ -144,10 +144,10 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
 
     workload = _workload(opts)
     arms = _arms(app, topology_path, baseline, extra)
-    names = [a.name for a in arms]
-    if reference_name is not None and reference_name not in names:
+    arm_names = [a.name for a in arms]
+    if reference_name is not None and reference_name not in arm_names:
         raise BenchError(f"--reference {reference_name}: no such arm (the arms: "
-                         f"{', '.join(names)})")
+                         f"{', '.join(arm_names)})")
     check(arms, workload)
     if is_dry_run:
         return dry_run(app, arms, workload, as_json)
