@@ -117,8 +117,14 @@ def ratio_interval(mine: Summary, theirs: Summary, name: str, level: float,
     return math.exp(centre - z * spread), math.exp(centre + z * spread)
 
 
+def _bound(value: float) -> str:
+    """A ratio's bound as a person reads it: beyond 0.01 or 100 only the side it is on (an
+    interval from one degree of freedom can reach 1e7)."""
+    return "<0.01" if value < 0.01 else ">100" if value > 100 else f"{value:.2f}"
+
+
 def _fmt(name: str, ratio: float, ci: tuple[float, float]) -> str:
-    return f"{LABELS[name]} {ratio:.2f}x [{ci[0]:.2f}, {ci[1]:.2f}]"
+    return f"{LABELS[name]} {ratio:.2f}x [{_bound(ci[0])}, {_bound(ci[1])}]"
 
 
 def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,

@@ -215,3 +215,8 @@ def test_a_detailed_result_becomes_requests() -> None:
     assert type(r).from_json(r.as_json()) == r
     with pytest.raises(BenchError, match="--save-detailed"):
         parse_round({"duration": 1.0, "completed": 3})
+
+
+def test_far_bounds_are_shown_by_their_side() -> None:
+    assert verdicts._fmt("tpot_mean_ms", 0.39, (0.0001, 5796.97)) == "TPOT 0.39x [<0.01, >100]"
+    assert verdicts._fmt("request_throughput", 1.2, (0.95, 1.5)) == "req/s 1.20x [0.95, 1.50]"
