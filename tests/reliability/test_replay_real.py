@@ -111,6 +111,14 @@ def reference(probe: Probe, seed: int) -> tuple[str, list[str]]:
     return REFERENCE[seed]
 
 
+def running(probe: Probe, name: str) -> float:
+    """Requests instance `name` is running now (vLLM's `vllm:num_requests_running`)."""
+    reply = httpx.get(f"{probe.urls[name]}/metrics", timeout=10,
+                      headers={"authorization": f"Bearer {probe.key}"})
+    return sum(float(line.rsplit(" ", 1)[1]) for line in reply.text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
 def under_load(probe: Probe, kill: list[str]) -> tuple[dict[int, Any], float]:
     """12 requests (even seeds streamed); once every stream has begun, SIGKILL `kill`.
     Every answer, and the seconds from the kill to the last one."""
@@ -123,10 +131,13 @@ def under_load(probe: Probe, kill: list[str]) -> tuple[dict[int, Any], float]:
             else:
                 futures[seed] = pool.submit(whole, probe.proxy, request(seed))
         streams = REQUESTS // 2
-        # Killed once every stream has begun (or one request is already done): some are
-        # half answered (the test checks that some stream was resumed), some never began.
+        # Killed once every stream has begun (or one request is already done) and every PD
+        # to kill has requests running (its own gauge, seen, not a duration): some are half
+        # answered (the test checks that some stream was resumed), some never began.
         assert wait_for(lambda: len(started) == streams
                         or any(f.done() for f in futures.values()), 300), started
+        assert wait_for(lambda: all(running(probe, name) > 0 for name in kill), 60), \
+            {name: running(probe, name) for name in kill}
         pids = [probe.pid(name) for name in kill]
         killed_at = time.monotonic()
         for pid in pids:
