@@ -240,14 +240,19 @@ def video_url(seed: int, frames: int = VIDEO_FRAMES) -> str:
 
 def wav(seed: int, rate: int = 16000) -> bytes:
     """A 16-bit mono WAV (stdlib only): a tone whose pitch and length follow the seed."""
-    import io
     import math
-    import wave
 
     count = rate * (2 + seed % 3) // 4
     pitch = 220.0 * (1 + seed)
-    samples = struct.pack(f"<{count}h", *(
-        int(20000 * math.sin(2 * math.pi * pitch * n / rate)) for n in range(count)))
+    return wav_bytes(struct.pack(f"<{count}h", *(
+        int(20000 * math.sin(2 * math.pi * pitch * n / rate)) for n in range(count))), rate)
+
+
+def wav_bytes(samples: bytes, rate: int) -> bytes:
+    """16-bit mono PCM `samples` as a WAV file (stdlib only)."""
+    import io
+    import wave
+
     buf = io.BytesIO()
     with wave.open(buf, "wb") as out:
         out.setnchannels(1)

@@ -16,21 +16,13 @@ AUDIO_RATE = 16000
 
 def wav(seconds: float, seed: int, rate: int = AUDIO_RATE) -> bytes:
     """A deterministic 16-bit mono WAV: a tone with noise; every seed gives other bytes."""
-    import io
-    import wave
+    from epdctl.verify import wav_bytes
 
     rng = random.Random(seed)
     pitch, count = rng.uniform(110.0, 880.0), int(seconds * rate)
-    samples = struct.pack(f"<{count}h", *(
+    return wav_bytes(struct.pack(f"<{count}h", *(
         int(12000 * math.sin(2 * math.pi * pitch * n / rate) + rng.randint(-2000, 2000))
-        for n in range(count)))
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(samples)
-    return buf.getvalue()
+        for n in range(count))), rate)
 
 
 def write_audio_dataset(workload: Workload, seed: int, count: int, path: Path
