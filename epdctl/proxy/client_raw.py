@@ -29,6 +29,9 @@ from epdctl.proxy.errors import UpstreamError
 
 SEPARATE_BODY_BYTES = 1 << 20
 """Bodies from this size on are written after their head, not joined to it (a copy)."""
+PAUSE_BYTES = 1 << 20
+"""A streamed answer's bytes held unread from this size on: the connection stops reading
+(the instance's socket fills, TCP slows it) until the reader takes them."""
 
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; `reply` is the answer being read on it, if any."""
@@ -97,6 +100,8 @@ class RawReply:
         self._is_until_close = True  # no length, not chunked: the body ends with the connection
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._held = 0  # bytes in _chunks
+        self._is_streamed = self._is_paused = False
 
     # from the connection
     def _wake(self) -> None:
@@ -117,7 +122,20 @@ class RawReply:
 
     def _data(self, body: bytes) -> None:
         self._chunks.append(body)
+        self._held += len(body)
+        if self._is_streamed and self._held >= PAUSE_BYTES and not self._is_paused \
+                and self._conn.transport is not None:
+            self._is_paused = True
+            self._conn.transport.pause_reading()
         self._wake()
+
+    def _take(self) -> list[bytes]:
+        chunks, self._chunks, self._held = self._chunks, [], 0
+        if self._is_paused:
+            self._is_paused = False
+            if self._conn.transport is not None and not self._conn.is_closed:
+                self._conn.transport.resume_reading()
+        return chunks
 
     def _complete(self, keep_alive: bool) -> None:
         self._is_complete, self._keep_alive = True, keep_alive
@@ -155,14 +173,16 @@ class RawReply:
             if self._error is not None:
                 raise self._broken()
             await self._wait()
-        chunks, self._chunks = self._chunks, []
+        chunks = self._take()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it comes; what the reader has not taken stays under PAUSE_BYTES
+        (plus one read of the socket)."""
+        self._is_streamed = True
         while True:
             if self._chunks:
-                chunks, self._chunks = self._chunks, []
-                for chunk in chunks:
+                for chunk in self._take():
                     yield chunk
             elif self._is_complete:
                 return

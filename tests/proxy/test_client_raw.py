@@ -241,3 +241,41 @@ async def test_an_idle_connection_past_keepalive_is_not_reused(rig):
     finally:
         upstream.close()
     assert server.connections == 2
+
+
+async def test_a_stream_the_reader_lags_on_is_held_under_the_pause_size(rig):
+    """An instance that streams faster than the proxy's client takes it (a slow client
+    downstream): the connection stops reading at PAUSE_BYTES held, so the proxy holds no
+    more than that (plus one socket read), and reads on once the reader takes it; the body
+    comes through whole and in order."""
+    from epdctl.proxy.client_raw import PAUSE_BYTES
+
+    server, upstream, base = rig
+    piece = 1 << 16
+    body = bytes(range(256)) * (32 * (1 << 20) // 256)  # 32 MiB: more than every buffer
+    wrote_all = asyncio.Event()
+
+    async def flood(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body))
+        for at in range(0, len(body), piece):
+            writer.write(body[at:at + piece])
+            await writer.drain()
+        wrote_all.set()
+
+    server.script.append(flood)
+    reply = await post(upstream, base)
+    chunks = reply.chunks()
+    got = [await anext(chunks)]
+    transport = reply._conn.transport
+    assert transport is not None
+    for _ in range(200_000):  # the loop runs until the connection pauses (or all came)
+        if not transport.is_reading() or wrote_all.is_set():
+            break
+        await asyncio.sleep(0)
+    assert not transport.is_reading() and not wrote_all.is_set()
+    assert PAUSE_BYTES <= reply._held <= PAUSE_BYTES + (1 << 18)
+    got += [chunk async for chunk in chunks]
+    assert b"".join(got) == body
+    assert wrote_all.is_set() and transport.is_reading()
+    await reply.close()
