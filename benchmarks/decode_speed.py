@@ -47,21 +47,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cache_reuse import ROOT, free_port, wait_http  # noqa: E402  (a sibling's helpers)
 
-ARMS = ("ours", "none")
+ARMS = ("ours", "none", "example", "embeds")
+"""ours: the planned PD; none: the same less its connector; example: vLLM's own
+ECExampleConnector as the consumer instead (is a cost vLLM's consumer mode's, or ours?);
+embeds: none plus --enable-mm-embeds (what vLLM turns on for any EC consumer)."""
 EC_FLAG = "--ec-transfer-config"
 
 
-def arm_argv(argv: tuple[str, ...], port: int, store_dir: str | None) -> list[str]:
-    """PD's planned argv on `port`: its connector over `store_dir`, or (None) no connector."""
+def arm_argv(argv: tuple[str, ...], port: int, arm: str, store_dir: str) -> list[str]:
+    """PD's planned argv on `port`, as `arm` runs it (ARMS)."""
     out = list(argv)
     out[out.index("--port") + 1] = str(port)
     at = out.index(EC_FLAG)
-    if store_dir is None:
-        del out[at:at + 2]
-    else:
-        config = json.loads(out[at + 1])
+    config = json.loads(out[at + 1])
+    if arm == "ours":
         config["ec_connector_extra_config"]["store_dir"] = store_dir
         out[at + 1] = json.dumps(config)
+    elif arm == "example":
+        out[at + 1] = json.dumps({
+            "ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+            "ec_connector_extra_config": {"shared_storage_path": f"{store_dir}-example"}})
+    else:
+        del out[at:at + 2]
+        if arm == "embeds":
+            out.append("--enable-mm-embeds")
     return out
 
 
@@ -78,7 +87,7 @@ def start(tmp: Path, store_dir: str) -> tuple[dict[str, str], list[subprocess.Po
         port = free_port()
         with (tmp / f"{arm}.log").open("wb") as log:
             procs.append(subprocess.Popen(
-                arm_argv(pd.argv, port, store_dir if arm == "ours" else None),
+                arm_argv(pd.argv, port, arm, store_dir),
                 env={**os.environ, **pd.env}, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))
         urls[arm] = f"http://127.0.0.1:{port}"
@@ -145,7 +154,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="epdctl-decode-"))
     store_dir = f"/dev/shm/epdctl-bench-{os.urandom(4).hex()}"
     procs: list[subprocess.Popen[bytes]] = []
-    ratios: dict[int, list[float]] = {}
+    ratios: dict[tuple[int, str], list[float]] = {}
     serial = iter(range(1_000_000))
 
     def prompts() -> list[str]:
@@ -158,14 +167,17 @@ def main() -> None:
                 round_(urls[arm], "tiny-llava", prompts(), level, a.max_tokens)
             for cycle in range(a.cycles):
                 got: dict[str, list[float]] = {arm: [] for arm in ARMS}
-                for arm in ("ours", "none", "none", "ours"):
+                for arm in ARMS + ARMS[::-1]:
                     tpot = round_(urls[arm], "tiny-llava", prompts(), level, a.max_tokens)
                     got[arm].append(tpot)
                     print(f"c={level} cycle={cycle} {arm:<4} tpot_mean={tpot * 1000:6.2f}ms",
                           flush=True)
-                ratio = statistics.mean(got["none"]) / statistics.mean(got["ours"])
-                ratios.setdefault(level, []).append(ratio)
-                print(f"c={level} cycle={cycle} decode speed ours/none = {ratio:.3f}x")
+                for arm in ARMS:
+                    if arm == "none":
+                        continue
+                    ratio = statistics.mean(got["none"]) / statistics.mean(got[arm])
+                    ratios.setdefault((level, arm), []).append(ratio)
+                    print(f"c={level} cycle={cycle} decode speed {arm}/none = {ratio:.3f}x")
     finally:
         for proc in procs:  # each in a session of its own: its group is the engine
             os.killpg(proc.pid, signal.SIGTERM)
@@ -177,13 +189,15 @@ def main() -> None:
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(store_dir, ignore_errors=True)
+        shutil.rmtree(f"{store_dir}-example", ignore_errors=True)
     figures = []
-    for level, got in ratios.items():
-        mean = statistics.mean(got)
-        print(f"c={level}: decode speed ours/none {mean:.3f}x "
-              f"(cycles {min(got):.3f}-{max(got):.3f}, n={len(got)})")
-        figures += [f"decode_speed_ratio_c{level}={mean:.3f}",
-                    f"spread_c{level}={min(got):.3f}-{max(got):.3f}"]
+    for (level, arm), cycles in ratios.items():
+        mean = statistics.mean(cycles)
+        print(f"c={level}: decode speed {arm}/none {mean:.3f}x "
+              f"(cycles {min(cycles):.3f}-{max(cycles):.3f}, n={len(cycles)})")
+        name = "decode_speed_ratio" if arm == "ours" else f"{arm}_ratio"
+        figures += [f"{name}_c{level}={mean:.3f}",
+                    f"{arm}_spread_c{level}={min(cycles):.3f}-{max(cycles):.3f}"]
     print(" ".join(figures))
 
 
