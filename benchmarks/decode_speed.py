@@ -3,21 +3,24 @@
     .venv/bin/python benchmarks/decode_speed.py [--requests 12] [--levels 1,4] [--cycles 3]
         [--max-tokens 64]
 
-Plans topologies/cpu-demo.yaml (tiny LLaVA) and starts its PD instance twice, side by side:
-"ours" with the argv and environment the plan gives it (an ec_consumer of epdctl's
-shared-memory connector, over a private store), "none" with the same argv less its
-`--ec-transfer-config`. Everything else is equal: model, engine args, the request log
-(whatever cpu-demo.yaml ships), environment, even the CPU core (the plan's binding; only one
-arm is driven at a time, the other idles). The workload is text only, streamed, at
+Plans topologies/cpu-demo.yaml (tiny LLaVA) and starts its PD instance four times, side by
+side (ARMS): "ours" with the argv and environment the plan gives it (an ec_consumer of
+epdctl's shared-memory connector, over a private store), "none" with the same argv less its
+`--ec-transfer-config`, "example" with vLLM's own ECExampleConnector as the consumer instead
+of ours, and "embeds" as none plus `--enable-mm-embeds` (what vLLM turns on for any EC
+consumer). ours against example tells our connector's cost from vLLM's consumer mode's;
+embeds against none, that flag's. Everything else is equal: model, engine args, the request
+log (whatever cpu-demo.yaml ships), environment, even the CPU core (the plan's binding; only
+one arm is driven at a time, the others idle). The workload is text only, streamed, at
 temperature 0 with `ignore_eos` and a fixed `max_tokens`, each request a prompt of its own:
-nothing is encoded in either arm, so what differs is the connector's own per-step work
-(its scheduler side every engine step, its worker side every forward).
+nothing is encoded in any arm, so what differs is the connector's own per-step work (its
+scheduler side every engine step, its worker side every forward) and the consumer mode's.
 
 At each concurrency level (a closed loop) each arm first gets a warm-up round (discarded),
-then the arms alternate A B B A, --cycles times. A round's figure is the engine's own mean
+then the arms take turns, in order then reversed, --cycles times. A round's figure is the engine's own mean
 TPOT over its requests (`vllm:request_time_per_output_token_seconds`, read before and after
 the round: a client timing chunks on two shared cores reads them in bursts). Prints every
-round, the ratio per cycle (none's TPOT / ours: >= 1 means ours decodes as fast), their
+round, the ratio per cycle (none's TPOT / the arm's: >= 1 means it decodes as fast as none), their
 spread, and ends with one key=value line. Needs the CPU build of vLLM; run it alone (under
 the e2e lock).
 
@@ -148,7 +151,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=12, help="per round")
     p.add_argument("--levels", default="1,4", help="concurrency levels (closed loop)")
-    p.add_argument("--cycles", type=int, default=3, help="A B B A cycles per level")
+    p.add_argument("--cycles", type=int, default=3, help="cycles per level (each arm in order, then reversed)")
     p.add_argument("--max-tokens", type=int, default=64)
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="epdctl-decode-"))
