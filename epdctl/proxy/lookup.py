@@ -16,13 +16,16 @@ writer made since the last scan is found by the next one; until then its item go
 Neither the scan nor a hit's checks run on the event loop: a listing of thousands of entries
 and a hit's header read, sidecar read and `utime` run in a worker thread (asyncio.to_thread),
 the loop only tests names against the index. Scans run one at a time (a lock, which close()
-waits on too).
+waits on too). A scan lists `entries/` again only when the directory changed since the last
+listing (its inode and mtime), so a large store that holds still costs one stat a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,10 @@ STATS_WRITER = "proxy"
 SCAN_INTERVAL_S = 1.0
 """How often the index is rebuilt from `entries/`, E's metadata written beside its entries
 and the counters flushed."""
+SAME_TICK_NS = 100_000_000
+"""A listing is reused while `entries/` is unchanged only if its last change was this long
+before the listing began: a change in the same clock tick as a listing (a directory's mtime
+is coarse) may be missing from it yet leave the mtime as it was."""
 
 
 Kept = tuple[dict[str, Any], str]
@@ -74,6 +81,8 @@ class StoreLookup:
         # A refused store is written nothing, not even counters (its stats/ is theirs).
         self._stats = None if self.store.refused else StatsWriter(self.store.root, STATS_WRITER)
         self._flushed = (0, 0, 0)
+        self._listed: tuple[tuple[int, int] | None, int, set[str]] = (None, 0, set())
+        """The last listing: entries/' (inode, mtime_ns), when it began, the stems."""
         self.scan()
 
     async def find_off_loop(self, unique: dict[str, MediaItem],
@@ -157,7 +166,7 @@ class StoreLookup:
     def _scan_files(self, fresh: dict[str, Kept], totals: tuple[int, int, int]) -> set[str]:
         """The blocking part of a scan (any thread): list, write metadata, flush counters."""
         with self._scan_lock:
-            stems = self.store.entry_stems()
+            stems = self._entry_stems()
             for key, (entry, modality) in fresh.items():
                 if Store.stem(key) in stems:
                     write_meta(self.store, key, entry, modality)
@@ -166,6 +175,21 @@ class StoreLookup:
                 self._stats.flush()  # best effort, like every stats writer
                 self._flushed = totals
             return stems
+
+    def _entry_stems(self) -> set[str]:
+        """The store's entry stems: the last listing while `entries/` holds still."""
+        began = time.time_ns()
+        try:
+            st = os.stat(self.store.entries)
+            mark: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)
+        except OSError:
+            mark = None
+        last_mark, last_began, last_stems = self._listed
+        if mark is not None and mark == last_mark and last_began - mark[1] > SAME_TICK_NS:
+            return last_stems
+        stems = self.store.entry_stems()
+        self._listed = (mark, began, stems)
+        return stems
 
     def _apply(self, stems: set[str]) -> None:
         """On the loop: the new index, with the keys E answered for while it was made."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -146,3 +147,33 @@ async def test_keys_e_answers_for_during_a_scan_stay_indexed(store, monkeypatch)
     assert list(hits) == ["k3"] and hits["k3"].metadata == GRID
     lookup.close()  # waits for a scan still running, then keeps what is left
     assert read_meta(lookup.store, "k3") == entry
+
+
+async def test_a_store_that_holds_still_is_listed_once(store):
+    """10 000 entries or none, a scan costs a stat while `entries/` is unchanged; an entry
+    written since (the directory changes) is in the next scan's index."""
+    publish(store, "k1")
+    past = 1e9
+    os.utime(store.entries, (past, past))  # its last change long before any listing
+    lookup = StoreLookup(str(store.root.parent), NAMESPACE)
+    lists = threads_of(lookup.store, "entry_stems")
+    for _ in range(5):
+        lookup.scan()
+    assert len(lists) == 0  # the listing made at start is reused
+    assert list(await lookup.find_off_loop({"k1": item("k1")}, needs_metadata=False)) == ["k1"]
+    publish(store, "k2")
+    lookup.scan()
+    assert len(lists) == 1
+    assert list(await lookup.find_off_loop({"k2": item("k2")}, needs_metadata=False)) == ["k2"]
+
+
+async def test_a_listing_in_the_same_tick_as_a_change_is_not_trusted(store):
+    """entries/ changed just before the listing (within SAME_TICK_NS): a change right
+    after it might leave the mtime as it was, so the next scan lists again."""
+    publish(store, "k1")
+    soon = time.time_ns() + 10**10  # as a change in the listing's own tick reads, or later
+    os.utime(store.entries, ns=(soon, soon))
+    lookup = StoreLookup(str(store.root.parent), NAMESPACE)
+    lists = threads_of(lookup.store, "entry_stems")
+    lookup.scan()
+    assert len(lists) == 1
