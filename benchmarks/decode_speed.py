@@ -17,17 +17,21 @@ nothing is encoded in any arm, so what differs is the connector's own per-step w
 scheduler side every engine step, its worker side every forward) and the consumer mode's.
 
 At each concurrency level (a closed loop) each arm first gets a warm-up round (discarded),
-then the arms take turns, in order then reversed, --cycles times. A round's figure is the engine's own mean
-TPOT over its requests (`vllm:request_time_per_output_token_seconds`, read before and after
-the round: a client timing chunks on two shared cores reads them in bursts). Prints every
-round, the ratio per cycle (none's TPOT / the arm's: >= 1 means it decodes as fast as none), their
-spread, and ends with one key=value line. Needs the CPU build of vLLM; run it alone (under
-the e2e lock).
+then the arms take turns, in order then reversed, --cycles times. A round's figure is the
+engine's own mean TPOT over its requests (`vllm:request_time_per_output_token_seconds`,
+read before and after the round: a client timing chunks on two shared cores reads them in
+bursts). Prints every round, the ratio per cycle (none's TPOT / the arm's: >= 1 means it
+decodes as fast as none), their spread, and ends with one key=value line. Needs the CPU
+build of vLLM; run it alone (under the e2e lock).
 
-One run (`--cycles 2`, 12 requests of 64 tokens a round, a 2-core VM shared with other
-work): ours/none 0.958x at concurrency 1 (cycles 0.953-0.963), 0.903x at 4 (0.900-0.905);
-TPOT 2.7 vs 2.6 ms and 3.1 vs 2.8 ms. The connector's per-step cost is measurable on text
-alone: below the 0.98x wanted, and not yet explained.
+Runs (`--cycles 2`, 12 requests of 64 tokens a round, a 2-core VM). Two arms, earlier:
+ours/none 0.958x at concurrency 1 (cycles 0.953-0.963), 0.903x at 4 (0.900-0.905). Four
+arms, 2026-12-02: ours/none 0.877x at 1 (0.802-0.953) and 0.927x at 4 (0.919-0.935);
+example/none 0.988x at 1 (0.985-0.992) and 0.878x at 4 (0.578-1.179: one 4.9 ms round);
+embeds/none 0.970x and 1.174x. Rounds of one arm differ by up to 30 % on this machine, so
+two cycles decide little; at concurrency 1, where vLLM's own consumer (example) is at 0.99x,
+ours is below it in every cycle: the cost looks like our connector's own per-step path,
+not vLLM's consumer mode nor --enable-mm-embeds. Not yet explained (below the 0.98x wanted).
 """
 
 from __future__ import annotations
@@ -85,6 +89,10 @@ def start(tmp: Path, store_dir: str) -> tuple[dict[str, str], list[subprocess.Po
     topology = load_topology(ROOT / "topologies" / "cpu-demo.yaml")
     topology = topology.model_copy(update={"model": str(ensure_model("llava"))})
     (pd,) = [s for s in plan(topology, tmp / "state", cpu_count=2).specs if s.name == "pd-0"]
+    from epdctl.ipc import RPC_ENV
+
+    if RPC_ENV in pd.env:  # the private IPC directory `up` makes (shared: uuid4 names)
+        os.makedirs(pd.env[RPC_ENV], mode=0o700, exist_ok=True)
     urls, procs = {}, []
     for arm in ARMS:
         port = free_port()
@@ -151,7 +159,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=12, help="per round")
     p.add_argument("--levels", default="1,4", help="concurrency levels (closed loop)")
-    p.add_argument("--cycles", type=int, default=3, help="cycles per level (each arm in order, then reversed)")
+    p.add_argument("--cycles", type=int, default=3,
+                   help="cycles per level (each arm in order, then reversed)")
     p.add_argument("--max-tokens", type=int, default=64)
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="epdctl-decode-"))
