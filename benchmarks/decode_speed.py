@@ -89,10 +89,11 @@ def start(tmp: Path, store_dir: str) -> tuple[dict[str, str], list[subprocess.Po
     topology = load_topology(ROOT / "topologies" / "cpu-demo.yaml")
     topology = topology.model_copy(update={"model": str(ensure_model("llava"))})
     (pd,) = [s for s in plan(topology, tmp / "state", cpu_count=2).specs if s.name == "pd-0"]
-    from epdctl.ipc import RPC_ENV
+    from epdctl import ipc
 
-    if RPC_ENV in pd.env:  # the private IPC directory `up` makes (shared: uuid4 names)
-        os.makedirs(pd.env[RPC_ENV], mode=0o700, exist_ok=True)
+    # The private IPC directory, made as the launcher makes it (the arms share it: uuid names).
+    if (rpc := ipc.ours(pd.env, tmp / "state", pd.name)) is not None:
+        ipc.make(rpc)
     urls, procs = {}, []
     for arm in ARMS:
         port = free_port()
