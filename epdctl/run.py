@@ -136,23 +136,29 @@ def prepare(topology_path: Path, state_root: Path, *, is_dry_run: bool = False,
     local model path must exist, the connectors must import where the engines run, and the
     EC store root is made (the default one, or a fresh private one when the default is not
     the user's alone: store_root.resolve_root)."""
-    from epdctl.store_root import resolve_root
+    from epdctl.store_root import discard_root, resolve_root
 
     topology = topology or load_topology(topology_path)
     if not is_dry_run:
         require_local_model(topology)
     state_dir = state_root / topology.name
     # Resolved before the plan: the engines' EC config and the proxy's argv name the root.
-    root = resolve_root(topology, state_dir, is_dry_run=is_dry_run, warn=warn)
+    made: list[Path] = []
+    root = resolve_root(topology, state_dir, is_dry_run=is_dry_run, warn=warn, made=made)
     if root != topology.cache.dir:
         topology = topology.model_copy(
             update={"cache": topology.cache.model_copy(update={"dir": root})})
-    plan = make_plan(topology, state_dir, is_dry_run=is_dry_run, warn=warn)
-    if not is_dry_run:
-        from epdctl.doctor import connector_problems
+    try:
+        plan = make_plan(topology, state_dir, is_dry_run=is_dry_run, warn=warn)
+        if not is_dry_run:
+            from epdctl.doctor import connector_problems
 
-        if problems := connector_problems(topology, plan):
-            raise PlanError("\n".join(f"`{topology.name}`: {line}" for line in problems))
+            if problems := connector_problems(topology, plan):
+                raise PlanError("\n".join(f"`{topology.name}`: {line}" for line in problems))
+    except BaseException:
+        for path in made:  # nothing started: leave no store root behind either
+            discard_root(path)
+        raise
     return Run(topology, Path(topology_path), plan, StateDir(plan.state_dir))
 
 

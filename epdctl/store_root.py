@@ -48,15 +48,19 @@ def is_fresh_root(path: Path, uid: int | None = None) -> bool:
 
 
 def resolve_root(topology: Topology, state_dir: Path, *, is_dry_run: bool = False,
-                 warn: Warn | None = None) -> Path:
+                 warn: Warn | None = None, made: list[Path] | None = None) -> Path:
     """The store root this run uses (see the module docstring). Unless a dry run, the
-    default root is created here (0700) when missing, and a fresh root when it is unusable;
-    a dry run creates nothing and only warns."""
+    default root is created here (0700) when missing, and a fresh root when it is unusable
+    (either is appended to `made`, so that a start that fails before it begins can take it
+    back: discard_root); a dry run creates nothing and only warns."""
     default = Path(cache.default_store_root())
     if topology.cache.dir != default or not uses_store(topology):
         return topology.cache.dir
+    existed = default.is_dir()
     problem = _default_problem(default, create=not is_dry_run)
     if problem is None:
+        if made is not None and not existed and not is_dry_run:
+            made.append(default)
         return default
     chosen = next((r for r in _fresh_roots(default, state_dir) if _problem(r) is None), None)
     if is_dry_run:
@@ -67,9 +71,20 @@ def resolve_root(topology: Topology, state_dir: Path, *, is_dry_run: bool = Fals
     if chosen is None:
         # mkdtemp: 0700, a name nobody can guess (and so create first).
         chosen = Path(tempfile.mkdtemp(prefix=f"{default.name}-", dir=default.parent))
+        if made is not None:
+            made.append(chosen)
     _say(warn, f"warning: not using the EC store root `{default}` ({problem}); this run's "
                f"store is `{chosen}`, private to you")
     return chosen
+
+
+def discard_root(path: Path) -> None:
+    """Remove a root resolve_root made for a start that then failed before anything used it
+    (left alone if something is in it by now)."""
+    try:
+        path.rmdir()
+    except OSError:
+        pass
 
 
 def _fresh_roots(default: Path, state_dir: Path) -> list[Path]:

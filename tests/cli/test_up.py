@@ -106,8 +106,12 @@ def test_store_smaller_than_the_cache_budget_is_refused(epdctl, fake_topology, s
     assert not (state_root / "fake" / "logs").exists()
 
 
-def test_dry_run_without_gpus_plans_on_assumed_ones(epdctl, monkeypatch, state_root) -> None:
+def test_dry_run_without_gpus_plans_on_assumed_ones(epdctl, monkeypatch, state_root,
+                                                    tmp_path) -> None:
+    from epdctl import cache
     from epdctl.errors import PlanError
+
+    monkeypatch.setattr(cache, "STORE_BASE", str(tmp_path))
 
     def no_gpu() -> list[str]:
         raise PlanError("no NVIDIA GPU found (NVML: test)")
@@ -121,3 +125,5 @@ def test_dry_run_without_gpus_plans_on_assumed_ones(epdctl, monkeypatch, state_r
     started = epdctl("up", str(topo), "-d")
     assert started.exit_code == 1
     assert started.stderr == "Error: no NVIDIA GPU found (NVML: test)\n"
+    # Nothing started, so nothing left: not even the store root made before the plan.
+    assert not Path(cache.default_store_root()).exists()

@@ -154,6 +154,26 @@ def test_a_dry_run_creates_no_default_root(epdctl, default_topology, shm_base: P
     assert os.listdir(shm_base) == []
 
 
+@pytest.mark.parametrize("squatted", [False, True], ids=["default", "fresh"])
+def test_a_start_refused_before_it_begins_leaves_no_root(
+    epdctl, default_topology, shm_base: Path, monkeypatch: pytest.MonkeyPatch, squatted: bool
+) -> None:
+    from epdctl.errors import PlanError
+
+    if squatted:
+        squat(shm_base / f"epdctl-{ME}", 0o755)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PlanError("refused for the test")
+
+    monkeypatch.setattr("epdctl.run.make_plan", refuse)
+    result = epdctl("up", str(default_topology()), "-d", "--timeout", "20")
+    assert result.exit_code == 1
+    assert result.stderr.endswith("Error: refused for the test\n")
+    # The default root made (or the fresh one, when the default was taken) is taken back.
+    assert os.listdir(shm_base) == ([f"epdctl-{ME}"] if squatted else [])
+
+
 def test_up_makes_the_default_root_private(epdctl, default_topology, state_root,
                                            shm_base: Path) -> None:
     result = epdctl("up", str(default_topology()), "-d", "--timeout", "20")
