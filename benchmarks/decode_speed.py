@@ -21,17 +21,20 @@ then the arms take turns, in order then reversed, --cycles times. A round's figu
 engine's own mean TPOT over its requests (`vllm:request_time_per_output_token_seconds`,
 read before and after the round: a client timing chunks on two shared cores reads them in
 bursts). Prints every round, the ratio per cycle (none's TPOT / the arm's: >= 1 means it
-decodes as fast as none), their spread, and ends with one key=value line. Needs the CPU
-build of vLLM; run it alone (under the e2e lock).
+decodes as fast as none) and, per level, the median cycle with a distribution-free 95%
+interval of it (a round another process's burst slows moves a mean by tens of percent);
+ends with one key=value line. `--arms ours,none` starts only those two (fewer idle engines
+on the cores). Needs the CPU build of vLLM; run it alone (under the e2e lock).
 
-Runs (`--cycles 2`, 12 requests of 64 tokens a round, a 2-core VM). Two arms, earlier:
-ours/none 0.958x at concurrency 1 (cycles 0.953-0.963), 0.903x at 4 (0.900-0.905). Four
-arms, 2026-12-02: ours/none 0.877x at 1 (0.802-0.953) and 0.927x at 4 (0.919-0.935);
-example/none 0.988x at 1 (0.985-0.992) and 0.878x at 4 (0.578-1.179: one 4.9 ms round);
-embeds/none 0.970x and 1.174x. Rounds of one arm differ by up to 30 % on this machine, so
-two cycles decide little; at concurrency 1, where vLLM's own consumer (example) is at 0.99x,
-ours is below it in every cycle: the cost looks like our connector's own per-step path,
-not vLLM's consumer mode nor --enable-mm-embeds. Not yet explained (below the 0.98x wanted).
+Runs (12 requests of 64 tokens a round, a 2-core AMD EPYC VM). Four arms, 2 cycles
+(2026-12-02, means): ours/none 0.877x at 1, 0.927x at 4; example/none 0.988x, 0.878x;
+rounds of one arm differed by up to 30 %, deciding little. `--arms ours,none --cycles 16`
+(2026-12-02 19:30 UTC): ours/none **0.984x** at concurrency 1 (median; 95% interval
+0.955-1.020; none's rounds 1.71-2.43 ms, ours 1.75-2.74 ms) and **1.020x** at 4 (interval
+0.664-1.338: rounds of both arms up to 2x slower in that stretch, none's 1.75-4.07 ms). The
+connector's own code is 3.4 us of a ~1.75 ms step (benchmarks/connector_step.py: 0.998x);
+the rest of the ~2 % at concurrency 1 is vLLM's consumer mode, which its own
+ECExampleConnector pays too.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import signal
@@ -81,7 +85,8 @@ def arm_argv(argv: tuple[str, ...], port: int, arm: str, store_dir: str) -> list
     return out
 
 
-def start(tmp: Path, store_dir: str) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
+def start(tmp: Path, store_dir: str, arms: tuple[str, ...] = ARMS
+          ) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
     from epdctl.dev.tiny_models import ensure_model
     from epdctl.plan import plan
     from epdctl.topology import load_topology
@@ -95,7 +100,7 @@ def start(tmp: Path, store_dir: str) -> tuple[dict[str, str], list[subprocess.Po
     if (rpc := ipc.ours(pd.env, tmp / "state", pd.name)) is not None:
         ipc.make(rpc)
     urls, procs = {}, []
-    for arm in ARMS:
+    for arm in arms:
         port = free_port()
         with (tmp / f"{arm}.log").open("wb") as log:
             procs.append(subprocess.Popen(
@@ -103,7 +108,7 @@ def start(tmp: Path, store_dir: str) -> tuple[dict[str, str], list[subprocess.Po
                 env={**os.environ, **pd.env}, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))
         urls[arm] = f"http://127.0.0.1:{port}"
-    for arm in ARMS:
+    for arm in arms:
         wait_http(urls[arm] + "/health", 600)
     return urls, procs
 
@@ -156,6 +161,20 @@ def round_(url: str, model: str, prompts: list[str], level: int, max_tokens: int
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% interval of the median: the order statistics whose ranks the
+    binomial(n, 1/2) puts 2.5% beyond either side (the whole range below n=6)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    cumulative, k = 0.0, 0
+    while k < n:
+        cumulative += math.comb(n, k) / 2 ** n
+        if cumulative > 0.025:
+            break
+        k += 1
+    return ordered[max(k - 1, 0)], ordered[min(n - k, n - 1)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=12, help="per round")
@@ -163,7 +182,12 @@ def main() -> None:
     p.add_argument("--cycles", type=int, default=3,
                    help="cycles per level (each arm in order, then reversed)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"the arms to start, none among them ({', '.join(ARMS)})")
     a = p.parse_args()
+    arms = tuple(x for x in ARMS if x in a.arms.split(","))
+    if "none" not in arms or len(arms) < 2 or len(arms) != len(a.arms.split(",")):
+        p.error(f"--arms: none and at least one of {', '.join(ARMS[:1] + ARMS[2:])}")
     tmp = Path(tempfile.mkdtemp(prefix="epdctl-decode-"))
     store_dir = f"/dev/shm/epdctl-bench-{os.urandom(4).hex()}"
     procs: list[subprocess.Popen[bytes]] = []
@@ -174,18 +198,18 @@ def main() -> None:
         return [f"Request {next(serial)}: tell me a long story." for _ in range(a.requests)]
 
     try:
-        urls, procs = start(tmp, store_dir)
+        urls, procs = start(tmp, store_dir, arms)
         for level in (int(x) for x in a.levels.split(",")):
-            for arm in ARMS:  # warm-up, discarded
+            for arm in arms:  # warm-up, discarded
                 round_(urls[arm], "tiny-llava", prompts(), level, a.max_tokens)
             for cycle in range(a.cycles):
-                got: dict[str, list[float]] = {arm: [] for arm in ARMS}
-                for arm in ARMS + ARMS[::-1]:
+                got: dict[str, list[float]] = {arm: [] for arm in arms}
+                for arm in arms + arms[::-1]:
                     tpot = round_(urls[arm], "tiny-llava", prompts(), level, a.max_tokens)
                     got[arm].append(tpot)
                     print(f"c={level} cycle={cycle} {arm:<4} tpot_mean={tpot * 1000:6.2f}ms",
                           flush=True)
-                for arm in ARMS:
+                for arm in arms:
                     if arm == "none":
                         continue
                     ratio = statistics.mean(got["none"]) / statistics.mean(got[arm])
@@ -205,12 +229,16 @@ def main() -> None:
         shutil.rmtree(f"{store_dir}-example", ignore_errors=True)
     figures = []
     for (level, arm), cycles in ratios.items():
-        mean = statistics.mean(cycles)
-        print(f"c={level}: decode speed {arm}/none {mean:.3f}x "
-              f"(cycles {min(cycles):.3f}-{max(cycles):.3f}, n={len(cycles)})")
+        # The median cycle: a round that another process's burst slowed (two shared cores)
+        # moves a mean by tens of percent, the median by one cycle's rank.
+        middle = statistics.median(cycles)
+        low, high = median_interval(cycles)
+        print(f"c={level}: decode speed {arm}/none {middle:.3f}x (median of {len(cycles)} "
+              f"cycles, 95% interval {low:.3f}-{high:.3f}; cycles {min(cycles):.3f}-"
+              f"{max(cycles):.3f})")
         name = "decode_speed_ratio" if arm == "ours" else f"{arm}_ratio"
-        figures += [f"{name}_c{level}={mean:.3f}",
-                    f"{arm}_spread_c{level}={min(cycles):.3f}-{max(cycles):.3f}"]
+        figures += [f"{name}_c{level}={middle:.3f}",
+                    f"{arm}_interval_c{level}={low:.3f}-{high:.3f}"]
     print(" ".join(figures))
 
 

@@ -43,3 +43,40 @@ def test_the_arms_differ_only_in_the_connector_or_the_embeds_flag(tmp_path: Path
     assert (other["ec_connector"], other["ec_role"]) == ("ECExampleConnector", "ec_consumer")
     assert example[:at] + example[at + 2:] == none
     assert embeds == [*none, "--enable-mm-embeds"]
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    path = BENCH.parent / f"{name}.py"
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH.parent))
+
+
+def test_the_median_interval_is_the_binomial_order_statistics() -> None:
+    median_interval = _load("decode_speed").median_interval
+    # n=20: the 6th and 15th of 20 (P(X <= 5) = 2.1 %, P(X <= 6) = 5.8 % for binomial(20, .5)).
+    assert median_interval([float(x) for x in range(20, 0, -1)]) == (6.0, 15.0)
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few: the whole range
+    assert median_interval([float(x) for x in range(1, 7)]) == (1.0, 6.0)
+    assert median_interval([float(x) for x in range(1, 10)]) == (2.0, 8.0)
+
+
+def test_connector_step_runs_both_consumers_and_leaves_nothing(capsys, monkeypatch) -> None:
+    import os
+
+    bench = _load("connector_step")
+    before = set(os.listdir("/dev/shm"))
+    monkeypatch.setattr(sys, "argv", ["connector_step", "--steps", "50", "--repeats", "1"])
+    bench.main()
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    figures = dict(item.split("=") for item in last.split())
+    assert set(figures) == {"ours_step_us", "ours_speed_left", "example_step_us",
+                            "example_speed_left"}
+    assert all(float(v) > 0 for v in figures.values())
+    assert set(os.listdir("/dev/shm")) == before
