@@ -5,10 +5,10 @@
 
 For each cost model of examples/sim/ and each fake-GPU count: `epdctl tune` runs on the
 base, workload and SLO (its pick, predictions and wall time); then every candidate `tune`
-considered is run through bench's runner (the sweep: one start per candidate, Poisson rates
-LADDER, then one more start at the geometric middle of the bracket around its knee; its
-measured goodput, and the sweep's wall time). Needs the tiny LLaVA for `vllm bench serve`'s
-tokenizer (`python -m epdctl.dev.tiny_models llava`).
+considered is run through bench's runner (the sweep: one start per candidate, every request
+at once, then Poisson rates around the rate that gave, a factor sqrt(2) apart, until the
+knee is bracketed: its measured goodput, and the sweep's wall time). Load comes from the
+simulated `vllm bench serve` (epdctl.sim.loadgen), for tune and the sweep alike.
 
 Ends with one line: pick_ratio= (measured goodput of tune's pick / the sweep's best, worst
 over the runs) cost_ratio= (tune's wall time / the sweep's, worst) rank_spearman= (predicted
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -38,8 +39,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SLO = {"encode-heavy": "ttft=3000,tpot=60", "decode-heavy": "ttft=3000,tpot=60",
        "sharing-sensitive": "ttft=3000,tpot=60"}
-LADDER = tuple(float(2 ** k) for k in range(6))
-"""req/s: 1 to 32, one start (vllm bench serve per rate: ~20 s each on 2 cores)."""
+LADDER = tuple(0.5 * 2 ** (k / 2) for k in range(15))
+"""req/s, 0.5 to 64 by sqrt(2)."""
+SEARCH = (math.inf, *LADDER, *LADDER[::-1])
+"""The sweep's load points in the order they may run: all at once, the ladder up, the ladder
+down (_sweep_one runs those it needs)."""
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -84,19 +88,28 @@ def _base(tmp: Path, cost: Path) -> Path:
 
 
 def _sweep_one(candidate, workload, state_root: Path, out: Path) -> float:  # type: ignore[no-untyped-def]
-    """The candidate's measured knee: bench at every rate of LADDER (one start), then at the
-    geometric middle of the bracket around the knee (a second start), so the knee is
-    interpolated over a factor of sqrt(2), not 2."""
-    from epdctl.tune.decide import knee
+    """The candidate's measured knee, in one start (SEARCH's points, those it needs): every
+    request at once first (the most req/s it serves then, X); then up from X/2 by sqrt(2)
+    until a rate misses the SLO for more than 10 % of its requests; then, only if even the
+    first missed, down until one holds it. The knee is interpolated between the highest
+    rate that holds and the next one up (decide.knee). A rate far below the knee would take
+    num_prompts / rate to pass, a rate far above it about num_prompts / X to miss."""
+    from epdctl.tune.decide import ATTAINMENT, attainment, knee
     from epdctl.tune.live import LiveConfirmer
 
+    def wanted(index: int, done: Sequence[Any]) -> bool:
+        if index == 0:
+            return True
+        top = done[0].figures.get("request_throughput") or 0.0
+        ran = [(SEARCH[p.index], attainment(p.figures) or 0.0) for p in done[1:]]
+        rate = SEARCH[index]
+        if index <= len(LADDER):  # going up
+            return rate >= top / 2 and all(share >= ATTAINMENT for _, share in ran)
+        lowest = min(ran, default=(math.inf, 0.0))  # going down
+        return lowest[1] < ATTAINMENT and rate < lowest[0]
+
     confirm = LiveConfirmer(workload, state_root, out, timeout_s=120, progress=_Err())
-    points = list(confirm.measure(candidate, LADDER).points)
-    passed = [r for r, s in sorted(points) if s >= 0.9]
-    low = passed[-1] if passed else LADDER[0] / 2
-    if low < LADDER[-1]:
-        points += confirm.measure(candidate, [round(low * 2 ** 0.5, 4)]).points
-    return knee(points)
+    return knee(confirm.measure(candidate, SEARCH, wanted=wanted).points)
 
 
 class _Err:

@@ -128,11 +128,14 @@ class _Up:
 def run_arms(arms: Sequence[Arm], workload: Workload, state_root: Path, work_dir: Path, *,
              timeout_s: float, progress: Progress, prompts: Sequence[Prompt],
              plan: Plan = Plan(),
-             undecided: Callable[[Sequence[ArmRun]], bool] = lambda runs: False
+             undecided: Callable[[Sequence[ArmRun]], bool] = lambda runs: False,
+             wanted: Callable[[int, Sequence[PointRun]], bool] = lambda index, done: True
              ) -> list[ArmRun]:
     """Every round, the arms in alternating order; an arm goes down before the next one
     starts (and on any error). After `plan.rounds`, more rounds while `undecided(runs)`, up
-    to `plan.max_rounds`."""
+    to `plan.max_rounds`. A load point is run only if `wanted(index, done)` (done: the
+    arm's points of this round so far), so that a search over load points can skip those
+    it no longer needs."""
     runs = {arm.name: ArmRun(arm) for arm in arms}
     datasets: dict[tuple[int, int], Path] = {}
     up: _Up | None = None
@@ -151,13 +154,17 @@ def run_arms(arms: Sequence[Arm], workload: Workload, state_root: Path, work_dir
                         up = None
                     up = _start(arm, runs[arm.name], workload, state_root, work_dir, plan,
                                 timeout_s, progress, prompts, arms)
+                done: list[PointRun] = []
                 for index in range(len(workload.points)):
+                    if not wanted(index, done):
+                        continue
                     seq += 1
                     point = _run_point(arm, workload, index, up.state, work_dir, datasets,
                                        up.ns_dir, progress, list(runs.values()), round_)
                     point.seq = seq
                     point.start = runs[arm.name].starts - 1
                     runs[arm.name].points.append(point)
+                    done.append(point)
             round_ += 1
     finally:
         if up is not None:

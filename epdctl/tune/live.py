@@ -5,10 +5,11 @@ serve`) at rates around their predicted knee."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epdctl.bench.workload import LoadPoint, Workload
 from epdctl.state import RunState
@@ -19,14 +20,18 @@ from epdctl.tune.probes import Bodies, Measurements, profile_running
 from epdctl.tune.profile import LEVELS
 from epdctl.tune.runner import Progress
 
+if TYPE_CHECKING:
+    from epdctl.bench.runner import PointRun
+
 KNEE_FACTORS = {1: (1.0,), 2: (0.8, 1.25), 3: (0.5, 1.0, 1.25), 4: (0.5, 0.8, 1.0, 1.25)}
 """Load points of a confirmation run, as multiples of the predicted knee, by their count
 (`--confirm-points`: fewer is faster, the knee coarser)."""
 
 
 def use_sim_bench_command() -> None:
-    """On the simulated machine, `vllm bench serve` through the CPU build's wrapper (the
-    engines are fake; `vllm` need not be on PATH), unless $EPDCTL_BENCH_COMMAND says."""
+    """On the simulated machine, the simulated `vllm bench serve` (epdctl.sim.loadgen: the
+    engines are fake, and vLLM's own would import vLLM and torch at every load point),
+    unless $EPDCTL_BENCH_COMMAND says otherwise."""
     import os
     import shlex
     import sys
@@ -36,7 +41,7 @@ def use_sim_bench_command() -> None:
 
     if fake_gpu_count() is not None and not os.environ.get(BENCH_COMMAND_ENV):
         os.environ[BENCH_COMMAND_ENV] = shlex.join(
-            [sys.executable, "-m", "epdctl.engines.vllm_cpu", "bench", "serve"])
+            [sys.executable, "-m", "epdctl.sim.loadgen"])
 
 
 def write_topology(topology: Topology, path: Path) -> Path:
@@ -103,8 +108,10 @@ class LiveConfirmer:
         return self.measure(candidate, [round(max(predicted, 0.05) * f, 4)
                                         for f in self.factors])
 
-    def measure(self, candidate: Candidate, rates: Sequence[float]) -> Measured:
-        """Bench the candidate at these Poisson rates (one start); its measured knee."""
+    def measure(self, candidate: Candidate, rates: Sequence[float],
+                wanted: Callable[[int, Sequence[PointRun]], bool] | None = None) -> Measured:
+        """Bench the candidate at these Poisson rates (one start; `wanted`: run_arms'); its
+        measured knee (over the finite rates)."""
         from epdctl.bench.arms import Arm, image_limit
         from epdctl.bench.runner import greedy_prompts, run_arms
 
@@ -115,9 +122,11 @@ class LiveConfirmer:
         (run,) = run_arms([arm], workload, self.state_root,
                           self.out_dir / "bench" / candidate.name, timeout_s=self.timeout_s,
                           progress=_RunnerProgress(self.progress),
-                          prompts=greedy_prompts(image_limit(candidate.topology))[:1])
+                          prompts=greedy_prompts(image_limit(candidate.topology))[:1],
+                          wanted=wanted or (lambda index, done: True))
         points = tuple((rates[p.index], share) for p in run.points
-                       if (share := attainment(p.figures)) is not None)
+                       if (share := attainment(p.figures)) is not None
+                       and math.isfinite(rates[p.index]))
         at = knee_rate(points)
         samples = tuple(p.samples for p in run.points
                         if p.samples is not None and at is not None and rates[p.index] == at)

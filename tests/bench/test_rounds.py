@@ -108,6 +108,22 @@ def test_until_significant_stops_at_its_limit(events: list[tuple[Any, ...]],
     assert sorted({p.round for p in runs[1].points}) == [0, 1, 2]
 
 
+def test_points_not_wanted_are_skipped(events: list[tuple[Any, ...]], tmp_path: Path) -> None:
+    workload = Workload(points=tuple(LoadPoint(r) for r in (8.0, 4.0, 2.0, 1.0)), num_prompts=4)
+    seen: list[tuple[int, list[int]]] = []
+
+    def wanted(index: int, done: Sequence[PointRun]) -> bool:
+        seen.append((index, [p.index for p in done]))
+        return index != 1 and len(done) < 2  # skip the second, stop after two
+
+    runs = run_arms([EPD, AGG], workload, tmp_path, tmp_path, timeout_s=1.0, progress=Quiet(),
+                    prompts=[], wanted=wanted)
+    assert [[p.index for p in run.points] for run in runs] == [[0, 2], [0, 2]]
+    assert seen[:4] == [(0, []), (1, [0]), (2, [0]), (3, [0, 2])]  # each arm's own points
+    assert [e for e in events if e[0] != "point"] == [
+        ("up", "epd"), ("down", "epd"), ("up", "aggregated"), ("down", "aggregated")]
+
+
 def test_each_round_and_the_warm_up_get_their_own_requests() -> None:
     seeds = {WORKLOAD.seed_at(i, r) for i in range(2) for r in range(3)}
     assert len(seeds) == 6 and WORKLOAD.warmup_seed() not in seeds

@@ -1,10 +1,9 @@
 """`epdctl tune`: bad input in one line, and a whole run on the simulated machine (fake
-GPUs and engines, the real proxy; tests/fake_bench.py for `vllm bench serve`)."""
+GPUs and engines, the real proxy, the simulated `vllm bench serve` sending real requests)."""
 
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,8 +13,6 @@ from click.testing import Result
 
 from epdctl.topology import load_topology
 from tests.vllm_harness import free_ports
-
-FAKE_BENCH = shlex.join([sys.executable, str(Path(__file__).parents[1] / "fake_bench.py")])
 
 
 def _base(tmp_path: Path) -> Path:
@@ -58,8 +55,7 @@ def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> 
                     "--output-len", "8", "--num-prompts", "4", "--model-facts",
                     str(tmp_path / "cost.yaml"), "--out", str(out), "--write", str(best),
                     "--json", env={"EPDCTL_FAKE_GPUS": "1", "EPDCTL_FAKE_GPU_MEMORY": "24GiB",
-                                   "EPDCTL_PROXY_COMMAND": "", "EPDCTL_BENCH_COMMAND":
-                                   FAKE_BENCH})
+                                   "EPDCTL_PROXY_COMMAND": "", "EPDCTL_BENCH_COMMAND": ""})
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     shapes = sorted(c["shape"] for c in doc["candidates"])
