@@ -87,26 +87,30 @@ def _base(tmp: Path, cost: Path) -> Path:
     return path
 
 
-def _sweep_one(candidate, workload, state_root: Path, out: Path) -> float:  # type: ignore[no-untyped-def]
-    """The candidate's measured knee, in one start (SEARCH's points, those it needs): every
-    request at once first (the most req/s it serves then, X); then up from X/2 by sqrt(2)
+def wanted(index: int, done: Sequence[Any]) -> bool:
+    """Whether the sweep runs SEARCH[index], given the points it ran so far (PointRuns):
+    all at once first (the most req/s it serves then, X); then up from X/2 by sqrt(2)
     until a rate misses the SLO for more than 10 % of its requests; then, only if even the
-    first missed, down until one holds it. The knee is interpolated between the highest
-    rate that holds and the next one up (decide.knee). A rate far below the knee would take
+    first of those missed, down until one holds it. A rate far below the knee would take
     num_prompts / rate to pass, a rate far above it about num_prompts / X to miss."""
-    from epdctl.tune.decide import ATTAINMENT, attainment, knee
-    from epdctl.tune.live import LiveConfirmer
+    from epdctl.tune.decide import ATTAINMENT, attainment
 
-    def wanted(index: int, done: Sequence[Any]) -> bool:
-        if index == 0:
-            return True
-        top = done[0].figures.get("request_throughput") or 0.0
-        ran = [(SEARCH[p.index], attainment(p.figures) or 0.0) for p in done[1:]]
-        rate = SEARCH[index]
-        if index <= len(LADDER):  # going up
-            return rate >= top / 2 and all(share >= ATTAINMENT for _, share in ran)
-        lowest = min(ran, default=(math.inf, 0.0))  # going down
-        return lowest[1] < ATTAINMENT and rate < lowest[0]
+    if index == 0:
+        return True
+    top = float(done[0].figures.get("request_throughput") or 0.0)
+    ran = [(SEARCH[p.index], attainment(p.figures) or 0.0) for p in done[1:]]
+    rate = SEARCH[index]
+    if index <= len(LADDER):  # going up
+        return rate >= top / 2 and all(share >= ATTAINMENT for _, share in ran)
+    lowest = min(ran, default=(math.inf, 0.0))  # going down
+    return lowest[1] < ATTAINMENT and rate < lowest[0]
+
+
+def _sweep_one(candidate, workload, state_root: Path, out: Path) -> float:  # type: ignore[no-untyped-def]
+    """The candidate's measured knee, in one start (the points of SEARCH `wanted` picks),
+    interpolated between the highest rate that holds the SLO and the next one up."""
+    from epdctl.tune.decide import knee
+    from epdctl.tune.live import LiveConfirmer
 
     confirm = LiveConfirmer(workload, state_root, out, timeout_s=120, progress=_Err())
     return knee(confirm.measure(candidate, SEARCH, wanted=wanted).points)

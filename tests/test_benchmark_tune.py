@@ -27,3 +27,31 @@ def test_agg_call() -> None:
     assert bench_tune.agg_call_right(sweep, "e-pd")
     assert bench_tune.agg_call_right(sweep, "epd")
     assert not bench_tune.agg_call_right(sweep, "aggregated")
+
+
+class _Point:
+    def __init__(self, index: int, throughput: float, share: float) -> None:
+        self.index = index
+        self.figures = {"request_throughput": throughput, "request_goodput": throughput * share}
+
+
+def _search(most: float, holds_up_to: float) -> list[float]:
+    """The rates the sweep runs on a candidate serving `most` req/s at once and holding the
+    SLO up to `holds_up_to` req/s, driven as run_arms drives `wanted`."""
+    done: list[_Point] = []
+    for index, rate in enumerate(bench_tune.SEARCH):
+        if bench_tune.wanted(index, done):
+            done.append(_Point(index, min(rate, most), 1.0 if rate <= holds_up_to else 0.5))
+    return [bench_tune.SEARCH[p.index] for p in done]
+
+
+@pytest.mark.parametrize(("most", "holds", "expected"), [
+    (11.0, 40.0, [math.inf, 5.657, 8.0, 11.314, 16.0, 22.627, 32.0, 45.255]),  # up, a burst
+    (11.0, 6.0, [math.inf, 5.657, 8.0]),  # up: the first miss brackets it
+    (12.0, 1.5, [math.inf, 8.0, 5.657, 4.0, 2.828, 2.0, 1.414]),  # the first missed: down
+    (200.0, 1000.0, [math.inf, 64.0]),  # every rate holds: the ladder's top
+    (1.0, 0.1, [math.inf, 0.5]),  # even the lowest misses: nothing lower to try
+])
+def test_the_sweep_brackets_each_knee_in_one_pass(most: float, holds: float,
+                                                   expected: list[float]) -> None:
+    assert _search(most, holds) == pytest.approx(expected, rel=1e-3)
