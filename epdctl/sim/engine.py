@@ -197,10 +197,13 @@ async def _stream(request: web.Request, engine: Engine, job: Job, chat: bool,
                              .encode())
 
     try:
-        if chat:
-            await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "finish_reason": None}]})
+        is_first = True
         while await job.events.get():
+            if chat and is_first:  # as vLLM: the role chunk comes with the first token
+                await send({"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                               "content": ""},
+                                         "finish_reason": None}]})
+            is_first = False
             last = job.generated >= job.output_tokens
             await send({"choices": [_choice(chat, TOKEN_TEXT, "length" if last else None,
                                             True)]})

@@ -154,7 +154,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                     break
                 chunk = json.loads(data)
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                if chunk.get("choices"):  # any choice chunk, the role's too, as vLLM
                     if not out.ttft:
                         out.ttft = now - out.start
                     else:
