@@ -93,7 +93,8 @@ def wanted(index: int, done: Sequence[Any]) -> bool:
     """Whether the sweep runs SEARCH[index], given the points it ran so far (PointRuns):
     all at once first (the most req/s it serves then, X); then up from X/2 by sqrt(2)
     until a rate misses the SLO for more than 10 % of its requests; then, only if even the
-    first of those missed, down until one holds it. A rate far below the knee would take
+    first of those missed, down until one holds it (or until not one request holds it at a
+    quarter of X or less: no load is light enough then). A rate far below the knee would take
     num_prompts / rate to pass, a rate far above it about num_prompts / X to miss."""
     from epdctl.tune.decide import ATTAINMENT, attainment
 
@@ -105,6 +106,8 @@ def wanted(index: int, done: Sequence[Any]) -> bool:
     if index <= len(LADDER):  # going up
         return rate >= top / 2 and all(share >= ATTAINMENT for _, share in ran)
     lowest = min(ran, default=(math.inf, 0.0))  # going down
+    if lowest[0] <= top / 4 and lowest[1] == 0.0:
+        return False  # not one request within the SLO at a quarter of X: none at any load
     return lowest[1] < ATTAINMENT and rate < lowest[0]
 
 

@@ -41,7 +41,8 @@ def _search(most: float, holds_up_to: float) -> list[float]:
     done: list[_Point] = []
     for index, rate in enumerate(bench_tune.SEARCH):
         if bench_tune.wanted(index, done):
-            done.append(_Point(index, min(rate, most), 1.0 if rate <= holds_up_to else 0.5))
+            share = 1.0 if rate <= holds_up_to else 0.5 if holds_up_to else 0.0
+            done.append(_Point(index, min(rate, most), share))
     return [bench_tune.SEARCH[p.index] for p in done]
 
 
@@ -51,6 +52,7 @@ def _search(most: float, holds_up_to: float) -> list[float]:
     (12.0, 1.5, [math.inf, 8.0, 5.657, 4.0, 2.828, 2.0, 1.414]),  # the first missed: down
     (200.0, 1000.0, [math.inf, 64.0]),  # every rate holds: the ladder's top
     (1.0, 0.1, [math.inf, 0.5]),  # even the lowest misses: nothing lower to try
+    (6.0, 0.0, [math.inf, 4.0, 2.828, 2.0, 1.414]),  # no request holds even at X/4: stop
 ])
 def test_the_sweep_brackets_each_knee_in_one_pass(most: float, holds: float,
                                                    expected: list[float]) -> None:
