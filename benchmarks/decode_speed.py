@@ -34,7 +34,10 @@ rounds of one arm differed by up to 30 %, deciding little. `--arms ours,none --c
 0.664-1.338: rounds of both arms up to 2x slower in that stretch, none's 1.75-4.07 ms). The
 connector's own code is 3.4 us of a ~1.75 ms step (benchmarks/connector_step.py: 0.998x);
 the rest of the ~2 % at concurrency 1 is vLLM's consumer mode, which its own
-ECExampleConnector pays too.
+ECExampleConnector pays too. Again with `--arms ours,none,example --levels 4 --cycles 12`
+(21:40 UTC): ours/none 0.936x (0.690-1.411), example/none 0.996x (0.667-1.135); rounds of
+2.9-4.5 ms came in every arm (none 3, ours 4, example 5 of 24), so those slow rounds are the
+machine's, not a connector's; medians none 1.96, ours 2.01, example 1.97-2.02 ms.
 """
 
 from __future__ import annotations
