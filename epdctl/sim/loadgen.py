@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from epdctl.bench import stats
 from epdctl.bench.workload import WORDS, png
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -197,13 +198,7 @@ async def run(args: argparse.Namespace, requests: list[dict[str, Any]]) -> tuple
 
 def percentile(values: Sequence[float], q: float) -> float:
     """numpy.percentile's default (linear) of `values`; 0 for none (as vLLM's `or 0`)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    at = (len(ordered) - 1) * q / 100
-    low = math.floor(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+    return stats.percentile(sorted(values), q) if values else 0.0
 
 
 def result(args: argparse.Namespace, outcomes: Sequence[Outcome], duration: float
