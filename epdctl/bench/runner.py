@@ -25,6 +25,7 @@ from epdctl.bench.counters import (
 from epdctl.bench.samples import Round, parse_round
 from epdctl.bench.workload import Workload, argv, bench_command, parse_result, write_dataset
 from epdctl.errors import BenchError, EpdctlError, StartupError
+from epdctl.interrupts import unwinding
 from epdctl.state import RunState
 from epdctl.verify import PROMPTS, ChatAnswer, Prompt, chat_body, send_chat
 
@@ -125,6 +126,7 @@ class _Up:
     ns_dir: Path | None
 
 
+@unwinding()  # SIGTERM and SIGHUP too take the arm that is up down
 def run_arms(arms: Sequence[Arm], workload: Workload, state_root: Path, work_dir: Path, *,
              timeout_s: float, progress: Progress, prompts: Sequence[Prompt],
              plan: Plan = Plan(),

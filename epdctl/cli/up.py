@@ -12,6 +12,7 @@ from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
 from epdctl.cli.views import Progress, summary
+from epdctl.interrupts import unwinding
 from epdctl.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ def _foreground(app: App, run: Run, timeout_s: float) -> int:
         progress.close()
 
 
+@unwinding()  # SIGTERM and SIGHUP too abandon the start, as Ctrl+C does
 def _detached(app: App, run: Run, timeout_s: float) -> None:
     from epdctl.run import start_detached
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from epdctl.cli._app import App, pass_app
+from epdctl.interrupts import unwinding
 from epdctl.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ def _stop_topology(app: App, sdir: StateDir) -> None:
               show_default=True,
               help="Seconds the topology and the baseline get to become ready.")
 @pass_app
+@unwinding()  # SIGTERM and SIGHUP too stop what verify started
 def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | None,
            baseline_gpus: str | None, should_keep: bool, timeout_s: float) -> None:
     """Check a topology's answers against an aggregated baseline, with EC cache hits"""

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from types import FrameType
 from typing import Literal
+
+from epdctl.interrupts import unwinding
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -48,42 +47,6 @@ class Completed:
 Runner = Callable[[Sequence[str], Mapping[str, str], float], Completed]
 
 
-class _Signalled(BaseException):
-    """SIGTERM or SIGHUP arrived while a command ran: unwind, then die of it as usual."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextmanager
-def _signals_unwind() -> Iterator[None]:
-    """While the block runs, SIGTERM and SIGHUP raise (as SIGINT does) rather than end
-    the process on the spot, so `finally` clauses run; only where they would end it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_it(signum: int, frame: FrameType | None) -> None:
-        raise _Signalled(signum)
-
-    taken = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is signal.SIG_DFL:
-            taken[sig] = signal.signal(sig, raise_it)
-    try:
-        yield
-    except _Signalled as exc:
-        for sig, old in taken.items():
-            signal.signal(sig, old)
-        taken = {}
-        signal.raise_signal(exc.signum)  # the default action: this process ends here
-        raise
-    finally:
-        for sig, old in taken.items():
-            signal.signal(sig, old)
-
-
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # any helper it forked goes with it
@@ -94,7 +57,7 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
 def run_command(argv: Sequence[str], env: Mapping[str, str], timeout_s: float) -> Completed:
     """Run argv to completion in its own session, killing the whole group at the timeout,
     and with epdctl: on SIGINT, SIGTERM, SIGHUP or any exception while it runs."""
-    with _signals_unwind():
+    with unwinding():
         try:
             proc = subprocess.Popen(
                 list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

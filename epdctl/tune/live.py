@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from epdctl.bench.workload import LoadPoint, Workload
+from epdctl.interrupts import unwinding
 from epdctl.state import RunState
 from epdctl.topology import Topology
 from epdctl.tune.candidates import Candidate, Shape
@@ -83,6 +84,7 @@ class LiveProfiler:
         self.state_root, self.out_dir = state_root, out_dir
         self.bodies, self.tokens, self.timeout_s, self.levels = bodies, tokens, timeout_s, levels
 
+    @unwinding()  # SIGTERM and SIGHUP too take the probe topology down
     def __call__(self, shape: Shape, topology: Topology) -> Measurements:
         from epdctl.run import prepare, start_detached, stop
 
