@@ -168,6 +168,7 @@ class Probe:
 
     def status(self) -> dict[str, dict[str, Any]]:
         result = self.run.cli("status", "--json")
+        assert result.stdout, result.stderr  # exit 1 while one is not ready; an error: none
         return {i["name"]: i for i in json.loads(result.stdout)["instances"]}
 
     def health(self) -> tuple[int, dict[str, Any]]:

@@ -8,9 +8,9 @@
    wait for the restarted ones (inside `proxy.replay_wait`) and again all answer exactly.
 
 A kill lands when a stream served by a PD to kill is under way (seen, not timed: its client
-has its first tokens, not half of them, and that PD's own log names the stream's id) and
-every PD to kill has requests running; each test first waits for every instance to be
-ready, whatever the one before left.
+has its first tokens and more to come, and that PD's own log names the stream's id); the
+PDs are frozen while the stream and the logs are looked at (the window is short). Each test
+first waits for every instance to be ready, whatever the one before left.
 
 The aggregated answers: PD itself with the image under a uuid of its own (it encodes
 locally; test_engine_faults checks that equals the E path), streamed and not.
@@ -19,6 +19,7 @@ locally; test_engine_faults checks that equals the E path), streamed and not.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +39,9 @@ REQUESTS = 12
 MAX_TOKENS = 600
 """Long enough that a stream is under way for a second or more (the tiny model decodes a
 token in a few ms): the kill lands while some stream is half sent."""
+UNDER_WAY = 100
+"""Tokens a stream still has to come for the kill to land inside it: more than can be on
+their way (in sockets, in the proxy) when its PD is frozen."""
 REPLAY_WAIT_S = 400  # a loaded 2-core CI machine restarts PD in about a minute
 RESTART_READY_S = 400
 SEEDS = range(1, REQUESTS + 1)
@@ -122,20 +126,17 @@ def reference(probe: Probe, seed: int) -> tuple[str, list[str]]:
     return REFERENCE[seed]
 
 
-def running(probe: Probe, name: str) -> float:
-    """Requests instance `name` is running now (vLLM's `vllm:num_requests_running`)."""
-    reply = httpx.get(f"{probe.urls[name]}/metrics", timeout=10,
-                      headers={"authorization": f"Bearer {probe.key}"})
-    return sum(float(line.rsplit(" ", 1)[1]) for line in reply.text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
-
-
 def under_load(probe: Probe, kill: list[str]) -> tuple[dict[int, Any], float]:
-    """12 requests (even seeds streamed); SIGKILL `kill` once a stream they serve is under
-    way (its client has its first tokens, not half of them: pd's own log names the stream's
-    id) and each of them has requests running (its own gauge). Every answer, and the
-    seconds from the kill to the last one."""
+    """12 requests (even seeds streamed); SIGKILL `kill` once a stream one of them serves is
+    under way (its client has its first tokens, and UNDER_WAY more are to come; that PD's
+    own log names the stream's id). Every answer, and the seconds from the kill to the last.
+
+    The window is a second or two of decoding, no longer than a look at the logs on a
+    loaded machine: once a stream is under way, `kill` is frozen (SIGSTOP), the stream and
+    the logs looked at while nothing moves, and thawed to try again if the moment has
+    passed (or the stream is another PD's)."""
     started: dict[int, list[Any]] = {}
+    pids = [probe.pid(name) for name in kill]
     with ThreadPoolExecutor(REQUESTS) as pool:
         futures: dict[int, Future[Any]] = {}
         for seed in SEEDS:
@@ -144,17 +145,31 @@ def under_load(probe: Probe, kill: list[str]) -> tuple[dict[int, Any], float]:
             else:
                 futures[seed] = pool.submit(whole, probe.proxy, request(seed))
 
-        def is_time() -> bool:  # the cheap checks first: the window is a second or two
-            under_way = [rid for seed, (rid, count) in list(started.items())
-                         if count < MAX_TOKENS // 2 and not futures[seed].done()]
-            if not under_way:
-                return False
-            logs = [probe.run.log(name) for name in kill]
-            return any(f"Received request {rid}:" in log for rid in under_way for log in logs) \
-                and all(running(probe, name) > 0 for name in kill)
+        def under_way() -> list[str]:
+            return [rid for seed, (rid, count) in list(started.items())
+                    if count < MAX_TOKENS - UNDER_WAY and not futures[seed].done()]
 
-        assert wait_for(is_time, 300, 0.02), (started, [f.done() for f in futures.values()])
-        pids = [probe.pid(name) for name in kill]
+        looks: list[int] = []  # streams under way at each frozen look, for a failure's message
+
+        def is_time() -> bool:
+            if not under_way():
+                return False
+            for pid in pids:
+                kill_group(pid, signal.SIGSTOP)
+            logs = [probe.run.log(name) for name in kill]
+            looks.append(len(under_way()))
+            if any(f"Received request {rid}:" in log for rid in under_way() for log in logs):
+                return True
+            for pid in pids:
+                kill_group(pid, signal.SIGCONT)
+            return False
+
+        try:
+            assert wait_for(is_time, 300, 0.02), (started, looks)
+        except BaseException:
+            for pid in pids:
+                kill_group(pid, signal.SIGCONT)
+            raise
         killed_at = time.monotonic()
         for pid in pids:
             kill_group(pid)
