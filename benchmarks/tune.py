@@ -24,6 +24,10 @@ tune's pick.
 Its pick_ratio is then against the best *of the sample* (an upper bound of the true
 ratio), and cost_ratio is tune's time over the full sweep's, extrapolated from the
 sample's mean time per candidate (both said in each run's line: `swept`, `sweep_s_full`).
+
+A run can be stopped and started again with the same --out: tune's result (tune.json) and
+each swept candidate (sweep-progress.json) are kept, and only what is missing is run, so
+the hours of an exhaustive 8-GPU sweep can be spread over several sittings.
 """
 
 from __future__ import annotations
@@ -149,27 +153,18 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
     tokens = request_tokens(facts, 1, (512, 512), 64, 32)
     limits = limits_for(base, facts, 80 << 30, tokens)
     kept, _ = candidates(base, list(range(gpus)), facts, limits)
-    started = time.monotonic()
-    import subprocess
-
-    tuned = subprocess.run(
-        [sys.executable, "-m", "epdctl", "--state-dir", str(run_dir / "state"), "tune",
-         str(base_path), "--gpus", ",".join(map(str, range(gpus))), "--slo", SLO[model],
-         "--images", "1", "--image-size", "512x512", "--input-len", "64", "--output-len", "32",
-         "--num-prompts", str(args.num_prompts), "--budget", args.budget, "--model-facts",
-         str(cost), "--out", str(run_dir / "tune"), "--json"],
-        capture_output=True, text=True, check=False)
-    tune_s = time.monotonic() - started
-    (run_dir / "tune.stderr").write_text(tuned.stderr)
-    if tuned.returncode != 0:
-        raise SystemExit(f"tune failed on {model} x {gpus}: {tuned.stderr[-2000:]}")
-    doc = json.loads(tuned.stdout)
+    doc, tune_s = _tuned(run_dir, base_path, model, gpus, cost, args)
     pick = next(c for c in doc["candidates"] if c["name"] == doc["best"])
     swept = sample(kept, args.sweep, pick["name"])
-    started = time.monotonic()
-    sweep = {c.name: (c.shape.kind, _sweep_one(c, workload, run_dir / "state",
-                                               run_dir / "sweep")) for c in swept}
-    sweep_s = time.monotonic() - started
+    progress = Progress.load(run_dir)
+    for c in swept:
+        if c.name in progress.done:
+            continue  # measured by an earlier, interrupted run of this --out
+        began = time.monotonic()
+        goodput = _sweep_one(c, workload, run_dir / "state", run_dir / "sweep")
+        progress.add(c.name, c.shape.kind, goodput, time.monotonic() - began)
+    sweep = progress.knees([c.name for c in swept])
+    sweep_s = progress.seconds([c.name for c in swept])
     sweep_full_s = sweep_s / len(swept) * len(kept)
     (run_dir / "sweep.json").write_text(json.dumps(sweep, indent=2))
     best = max(g for _, g in sweep.values())
@@ -184,6 +179,64 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
             "cost_ratio": tune_s / sweep_full_s if sweep_full_s else float("inf"),
             "rank_spearman": spearman([a for a, _ in both], [b for _, b in both]),
             "agg_call": agg_call_right(sweep, pick["kind"])}
+
+
+def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
+           args: argparse.Namespace) -> tuple[dict[str, Any], float]:
+    """`epdctl tune`'s --json document and wall time; kept in tune.json, so that a rerun of
+    an interrupted sweep (the same --out) keeps the tune it is measured against."""
+    import subprocess
+
+    kept = run_dir / "tune.json"
+    if kept.exists():
+        saved = json.loads(kept.read_text())
+        return saved["doc"], saved["tune_s"]
+    started = time.monotonic()
+    tuned = subprocess.run(
+        [sys.executable, "-m", "epdctl", "--state-dir", str(run_dir / "state"), "tune",
+         str(base_path), "--gpus", ",".join(map(str, range(gpus))), "--slo", SLO[model],
+         "--images", "1", "--image-size", "512x512", "--input-len", "64", "--output-len", "32",
+         "--num-prompts", str(args.num_prompts), "--budget", args.budget, "--model-facts",
+         str(cost), "--out", str(run_dir / "tune"), "--json"],
+        capture_output=True, text=True, check=False)
+    tune_s = time.monotonic() - started
+    (run_dir / "tune.stderr").write_text(tuned.stderr)
+    if tuned.returncode != 0:
+        raise SystemExit(f"tune failed on {model} x {gpus}: {tuned.stderr[-2000:]}")
+    doc = json.loads(tuned.stdout)
+    kept.write_text(json.dumps({"doc": doc, "tune_s": tune_s}))
+    return doc, tune_s
+
+
+class Progress:
+    """The sweep so far (sweep-progress.json, rewritten after each candidate): each swept
+    candidate's kind, knee and the seconds it took. A run stopped part way (Ctrl+C, a
+    session's end) goes on from here when started again with the same --out."""
+
+    FILE = "sweep-progress.json"
+
+    def __init__(self, path: Path, done: dict[str, tuple[str, float, float]]) -> None:
+        self.path, self.done = path, done
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Progress:
+        path = run_dir / cls.FILE
+        if not path.exists():
+            return cls(path, {})
+        data = json.loads(path.read_text())
+        return cls(path, {k: (v[0], v[1], v[2]) for k, v in data.items()})
+
+    def add(self, name: str, kind: str, goodput: float, seconds: float) -> None:
+        self.done[name] = (kind, goodput, seconds)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.done, indent=1))
+        tmp.replace(self.path)
+
+    def knees(self, names: Sequence[str]) -> dict[str, tuple[str, float]]:
+        return {n: self.done[n][:2] for n in names}
+
+    def seconds(self, names: Sequence[str]) -> float:
+        return sum(self.done[n][2] for n in names)
 
 
 def sample(kept: Sequence[Any], size: int, pick: str) -> list[Any]:

@@ -57,3 +57,26 @@ def _search(most: float, holds_up_to: float) -> list[float]:
 def test_the_sweep_brackets_each_knee_in_one_pass(most: float, holds: float,
                                                    expected: list[float]) -> None:
     assert _search(most, holds) == pytest.approx(expected, rel=1e-3)
+
+
+def test_an_interrupted_sweep_goes_on_where_it_stopped(tmp_path: Path) -> None:
+    progress = bench_tune.Progress.load(tmp_path)
+    assert progress.done == {}
+    progress.add("sim-4pd", "aggregated", 4.4, 80.0)
+    progress.add("sim-1e-3pd", "e-pd", 0.0, 200.0)
+    again = bench_tune.Progress.load(tmp_path)  # a new run of the same --out
+    assert again.done == {"sim-4pd": ("aggregated", 4.4, 80.0),
+                          "sim-1e-3pd": ("e-pd", 0.0, 200.0)}
+    assert again.knees(["sim-4pd"]) == {"sim-4pd": ("aggregated", 4.4)}
+    assert again.seconds(["sim-4pd", "sim-1e-3pd"]) == 280.0
+    assert not (tmp_path / "sweep-progress.tmp").exists()
+
+
+def test_a_rerun_keeps_the_tune_it_is_measured_against(tmp_path: Path) -> None:
+    import json
+
+    doc = {"best": "sim-4pd", "candidates": []}
+    (tmp_path / "tune.json").write_text(json.dumps({"doc": doc, "tune_s": 368.0}))
+    # No tune runs (its arguments would fail): the kept one comes back.
+    assert bench_tune._tuned(tmp_path, tmp_path / "none.yaml", "encode-heavy", 4,
+                             tmp_path / "none.yaml", None) == (doc, 368.0)
