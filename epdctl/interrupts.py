@@ -17,12 +17,8 @@ WATCHED = (signal.SIGTERM, signal.SIGHUP)
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP arrived: a KeyboardInterrupt, so that every clean-up written for
-    Ctrl+C runs too; `unwinding` then ends the process of the signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+    """SIGTERM or SIGHUP arrived (its number the argument): a KeyboardInterrupt, so that
+    every clean-up written for Ctrl+C runs too; `unwinding` then ends the process of it."""
 
 
 @contextmanager

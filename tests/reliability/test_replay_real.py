@@ -151,28 +151,28 @@ def under_load(probe: Probe, kill: list[str]) -> tuple[dict[int, Any], float]:
 
         looks: list[int] = []  # streams under way at each frozen look, for a failure's message
 
+        def signal_all(sig: signal.Signals) -> None:
+            for pid in pids:
+                kill_group(pid, sig)
+
         def is_time() -> bool:
             if not under_way():
                 return False
-            for pid in pids:
-                kill_group(pid, signal.SIGSTOP)
+            signal_all(signal.SIGSTOP)
             logs = [probe.run.log(name) for name in kill]
             looks.append(len(under_way()))
             if any(f"Received request {rid}:" in log for rid in under_way() for log in logs):
                 return True
-            for pid in pids:
-                kill_group(pid, signal.SIGCONT)
+            signal_all(signal.SIGCONT)
             return False
 
         try:
             assert wait_for(is_time, 300, 0.02), (started, looks)
         except BaseException:
-            for pid in pids:
-                kill_group(pid, signal.SIGCONT)
+            signal_all(signal.SIGCONT)
             raise
         killed_at = time.monotonic()
-        for pid in pids:
-            kill_group(pid)
+        signal_all(signal.SIGKILL)
         answers = {seed: f.result(timeout=REPLAY_WAIT_S + 300) for seed, f in futures.items()}
     return answers, time.monotonic() - killed_at
 
