@@ -16,13 +16,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from epdctl.proxy import jsonio, resume
+from epdctl.proxy import jsonio, resume, token_ids
 from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.generate import Answer, Generator, StageFailed
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import CHAT, dumps, upstream_headers
+from epdctl.proxy.routing import CHAT, COMPLETIONS, dumps, upstream_headers
 from epdctl.proxy.sse import error_event
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Instance, Upstreams
@@ -58,13 +58,21 @@ class Replayer:
         """Generator.run, then replays; the last failure raised when none is left."""
         state = _State(self.upstreams, trace)
         trace.is_resumable = is_stream
+        ids: token_ids.TokenIds | None = None
+        if is_stream and route in (CHAT, COMPLETIONS):
+            as_dict = second if isinstance(second, dict) else jsonio.loads(second)
+            if isinstance(as_dict, dict) and resume.why_not(as_dict, route) is None:
+                first = token_ids.asked(first)[0]
+                second, is_ours = token_ids.asked(second)
+                ids = token_ids.TokenIds(route, is_ours)
         try:
             answer = await self.generator.run(route, first, second, is_rewritten, is_stream,
                                               trace)
         except StageFailed as failed:
             answer = await self._replay(failed, route, second, is_stream, trace, state)
         if answer.stream is not None:
-            answer.stream = self._resuming(answer.stream, route, second, trace, state)
+            answer.stream = self._resuming(answer.stream, route, second, trace, state,
+                                           ids or token_ids.TokenIds(route, False))
         return answer
 
     async def _replay(self, failed: StageFailed, route: str, body: dict[str, Any] | bytes,
@@ -117,9 +125,10 @@ class Replayer:
                 self.upstreams.revived.discard(waiter)
 
     async def _resuming(self, stream: AsyncIterator[bytes], route: str,
-                        body: dict[str, Any] | bytes, trace: Trace,
-                        state: _State) -> AsyncIterator[bytes]:
-        """The stream, whole events at a time; broken, it goes on elsewhere when it can."""
+                        body: dict[str, Any] | bytes, trace: Trace, state: _State,
+                        ids: token_ids.TokenIds) -> AsyncIterator[bytes]:
+        """The stream, whole events at a time (the ids of its tokens read, and taken out
+        where the proxy asked for them); broken, it goes on elsewhere when it can."""
         sent: list[bytes] = []
         tail = b""
         fix: Callable[[bytes], bytes] | None = None  # a continuation's chunks as the client's
@@ -127,6 +136,7 @@ class Replayer:
             try:
                 async for chunk in stream:
                     whole, tail = resume.split_events(tail + chunk)
+                    whole = ids(whole) if whole else whole
                     if not whole:
                         continue
                     if resume.ENGINE_DEAD in whole and resume.is_dead_engine(whole):
@@ -149,7 +159,8 @@ class Replayer:
                 return
             except UpstreamError as exc:
                 await stream.aclose()  # type: ignore[attr-defined]
-                outcome = await self._go_on(exc, route, body, b"".join(sent), trace, state)
+                outcome = await self._go_on(exc, route, body, b"".join(sent), trace, state,
+                                            ids)
                 if isinstance(outcome, bytes):
                     yield outcome
                     return
@@ -157,11 +168,13 @@ class Replayer:
                 tail = b""  # half an event from the instance that died: never sent
 
     async def _go_on(self, exc: UpstreamError, route: str, body: dict[str, Any] | bytes,
-                     sent: bytes, trace: Trace, state: _State
+                     sent: bytes, trace: Trace, state: _State, ids: token_ids.TokenIds
                      ) -> bytes | tuple[AsyncIterator[bytes], Callable[[bytes], bytes]]:
         """The continuation's stream and how its chunks become the client's, or the bytes
         that end the client's stream: [DONE] (all was sent), or the error event (why: in
-        the log)."""
+        the log). It goes on after the text sent only when that text tokenizes back into
+        the very tokens generated (their ids came with the stream); else the same request
+        again, less the text."""
         stage = self.generator.decode_stage
         as_dict = body if isinstance(body, dict) else jsonio.loads(body)
         so_far = resume.read_so_far(sent, route)
@@ -186,11 +199,12 @@ class Replayer:
                 return error_event(str(exc))
             state.replays += 1
             try:
-                count = await self._count_tokens(inst, as_dict, so_far.text, stage, trace)
+                tokens = await self._tokens(inst, as_dict, so_far.text, stage, trace)
                 # A chat template may trim a prefix's trailing spaces: then the same way
                 # as a text that would not tokenize back into the tokens sent.
                 is_kept = route != CHAT or so_far.text == so_far.text.rstrip()
-                if count == so_far.tokens and is_kept:  # those tokens: go on after them
+                if ids.is_seen and tokens == ids.ids and is_kept:  # go on after them
+                    count = len(tokens)
                     new = resume.continuation(as_dict, route, so_far.text, count)
                     fix: Callable[[bytes], bytes] = functools.partial(resume.adjust,
                                                                       sent_tokens=count,
@@ -198,13 +212,14 @@ class Replayer:
                     how = "after"
                 else:  # it would tokenize otherwise: the same request again, less the text
                     new, fix, how = as_dict, resume.Skip(so_far.text, route), "again, less"
+                    ids.restart()
                 if new is None:
                     self._count(stage, "ok")
                     return resume.length_finish(so_far, route) + b"data: [DONE]\n\n"
                 trace.notes.append(f"replayed={stage}:{exc.url}>{inst.url}")
                 log.warning("rid=%s resume %d %s %d chars (%d tokens): %s, now on %s",
-                            trace.rid, state.replays, how, len(so_far.text), so_far.tokens,
-                            exc, inst.url)
+                            trace.rid, state.replays, how, len(so_far.text),
+                            len(tokens) if how == "after" else so_far.tokens, exc, inst.url)
                 answer = await self.generator._attempt(route, new, False, True, trace, {},
                                                        {stage: inst})
             except (StageFailed, UpstreamError) as again:
@@ -227,11 +242,11 @@ class Replayer:
             self._count(stage, "ok")
             return answer.stream, fix
 
-    async def _count_tokens(self, inst: Instance, body: dict[str, Any], text: str,
-                            stage: str, trace: Trace) -> int:
-        """How many tokens the text sent so far is, by the instance's own /tokenize."""
+    async def _tokens(self, inst: Instance, body: dict[str, Any], text: str,
+                      stage: str, trace: Trace) -> list[int]:
+        """The tokens the text sent so far is, by the instance's own /tokenize."""
         if not text:
-            return 0
+            return []
         payload = dumps({"model": body.get("model"), "prompt": text,
                          "add_special_tokens": False})
         reply = await self.client.post(inst.url, "/tokenize", payload,
@@ -242,12 +257,12 @@ class Replayer:
         finally:
             await reply.close()
         try:
-            count = jsonio.loads(data)["count"] if reply.status == 200 else None
+            tokens = jsonio.loads(data)["tokens"] if reply.status == 200 else None
         except (ValueError, KeyError, TypeError):
-            count = None
-        if not isinstance(count, int):
+            tokens = None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise UpstreamError(stage, inst.url, "broken", f"/tokenize answered {reply.status}")
-        return count
+        return tokens
 
     def _count(self, stage: str, outcome: str) -> None:
         self.metrics.replays.labels(stage, outcome).inc()

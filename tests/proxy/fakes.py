@@ -26,14 +26,17 @@ def sse(*events: object) -> bytes:
 
 
 def chat_chunk(content: str | None = None, role: str | None = None,
-               finish: str | None = None) -> dict[str, Any]:
+               finish: str | None = None, ids: list[int] | None = None) -> dict[str, Any]:
+    """vLLM's chat chunk; `ids`: the token ids it carries when they were asked for."""
     delta: dict[str, Any] = {}
     if role:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
-    return {"id": "c1", "object": "chat.completion.chunk", "model": MODEL,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+    if ids is not None:
+        choice["token_ids"] = ids
+    return {"id": "c1", "object": "chat.completion.chunk", "model": MODEL, "choices": [choice]}
 
 
 STREAM = sse(chat_chunk("", role="assistant"), chat_chunk("Hel"), chat_chunk("lo é€😀"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import httpx
@@ -20,9 +21,18 @@ from tests.proxy.fakes import MODEL, STREAM, Seen, chat_chunk, sse, sse_response
 pytestmark = pytest.mark.anyio
 DEAD = {"error": {"message": ENGINE_DEAD.decode(), "type": "InternalServerError",
                   "param": None, "code": 500}}
-HEAD = [sse(chat_chunk("", role="assistant")), sse(chat_chunk("Hel"))]
-REST = [sse(chat_chunk("", role="assistant")), sse(chat_chunk("lo é€😀")),
-        sse(chat_chunk(finish="stop")), sse("[DONE]")]
+HEL = 7  # the id of the token "Hel"
+HEAD = [sse({**chat_chunk("", role="assistant", ids=[]), "prompt_token_ids": [1, 2, 3]}),
+        sse(chat_chunk("Hel", ids=[HEL]))]
+REST = [sse(chat_chunk("", role="assistant")), sse(chat_chunk("lo é€😀", ids=[8, 9, 10])),
+        sse(chat_chunk(finish="stop", ids=[2])), sse("[DONE]")]
+BARE_HEAD = [sse(chat_chunk("", role="assistant")), sse(chat_chunk("Hel"))]
+
+
+def plain(*chunks: bytes) -> bytes:
+    """The chunks as a client that did not ask for token ids reads them."""
+    return re.sub(rb'"(prompt_)?token_ids": ?\[[0-9, ]*\]', rb'"\1token_ids":null',
+                  b"".join(chunks))
 
 
 class _Breaks(httpx.AsyncByteStream):
@@ -46,11 +56,12 @@ def dead_engine(seen: Seen) -> httpx.Response:
     return httpx.Response(500, json=DEAD)
 
 
-def tokenize(count: int):
+def tokenize(*tokens: int):
+    """/tokenize's answer: the text sent so far is `tokens`."""
     def answer(seen: Seen) -> httpx.Response:
         assert seen.path == "/tokenize" and seen.body is not None
         assert seen.body["add_special_tokens"] is False
-        return httpx.Response(200, json={"count": count, "tokens": list(range(count))})
+        return httpx.Response(200, json={"count": len(tokens), "tokens": list(tokens)})
     return answer
 
 
@@ -113,7 +124,7 @@ async def test_a_stream_broken_after_some_chunks_goes_on_from_the_text_sent(rig_
     rig = pd2(rig_factory)
     pd0, pd1 = order(rig)
     rig.fakes.then(pd0, breaks(*HEAD))
-    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(*REST))
+    rig.fakes.then(pd1, tokenize(HEL), lambda seen: sse_response(*REST))
     r = await rig.chat("hi", stream=True, max_tokens=10, temperature=0.7, seed=7)
     text, events = texts(r.content)
     assert text == "Hello é€😀"
@@ -136,9 +147,9 @@ async def test_a_stream_broken_mid_event_sends_no_half_event(rig_factory):
     pd0, pd1 = order(rig)
     half = sse(chat_chunk("lo"))[:12]
     rig.fakes.then(pd0, breaks(HEAD[0] + HEAD[1] + half))
-    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(*REST))
+    rig.fakes.then(pd1, tokenize(HEL), lambda seen: sse_response(*REST))
     r = await rig.chat("hi", stream=True)
-    assert r.content == b"".join([*HEAD, *REST[1:]])
+    assert r.content == plain(*HEAD, *REST[1:])
 
 
 async def test_a_stream_broken_after_its_last_chunk_gets_its_done(rig_factory):
@@ -146,7 +157,7 @@ async def test_a_stream_broken_after_its_last_chunk_gets_its_done(rig_factory):
     pd0, pd1 = order(rig)
     rig.fakes.then(pd0, breaks(*HEAD, sse(chat_chunk(finish="stop"))))
     r = await rig.chat("hi", stream=True, max_tokens=10)
-    assert r.content == b"".join([*HEAD, sse(chat_chunk(finish="stop")), sse("[DONE]")])
+    assert r.content == plain(*HEAD, sse(chat_chunk(finish="stop")), sse("[DONE]"))
     assert rig.fakes.posts(pd1) == []
 
 
@@ -156,7 +167,7 @@ async def test_usage_counts_as_if_nothing_broke(rig_factory):
     rig.fakes.then(pd0, breaks(*HEAD))
     usage = {"id": "c1", "object": "chat.completion.chunk", "model": MODEL, "choices": [],
              "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}
-    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(
+    rig.fakes.then(pd1, tokenize(HEL), lambda seen: sse_response(
         *REST[:3], sse(usage), sse("[DONE]")))
     r = await rig.chat("hi", stream=True, stream_options={"include_usage": True})
     _, events = texts(r.content)
@@ -168,7 +179,7 @@ async def test_the_token_limit_reached_at_the_break_finishes_with_length(rig_fac
     rig = pd2(rig_factory)
     pd0, pd1 = order(rig)
     rig.fakes.then(pd0, breaks(*HEAD))
-    rig.fakes.then(pd1, tokenize(1))
+    rig.fakes.then(pd1, tokenize(HEL))
     r = await rig.chat("hi", stream=True, max_tokens=1)
     _, events = texts(r.content)
     assert events[-2]["choices"] == [{"index": 0, "finish_reason": "length", "delta": {}}]
@@ -178,32 +189,42 @@ async def test_the_token_limit_reached_at_the_break_finishes_with_length(rig_fac
 async def test_a_completion_stream_goes_on_after_its_prompt(rig_factory):
     rig = pd2(rig_factory)
 
-    def chunk(text: str, finish: str | None = None) -> bytes:
+    def chunk(text: str, ids: list[int], finish: str | None = None) -> bytes:
         return sse({"id": "cmpl-1", "object": "text_completion", "model": MODEL,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                                 "prompt_token_ids": [1, 2] if text == "Once" else None,
+                                 "token_ids": ids}]})
 
     pd0, pd1 = order(rig)
-    rig.fakes.then(pd0, breaks(chunk("Once"), chunk(" upon")))
-    rig.fakes.then(pd1, tokenize(2), lambda seen: sse_response(
-        chunk(" a time"), chunk("", "length"), sse("[DONE]")))
+    rig.fakes.then(pd0, breaks(chunk("Once", [5]), chunk(" upon", [6])))
+    rig.fakes.then(pd1, tokenize(5, 6), lambda seen: sse_response(
+        chunk(" a time", [3, 4]), chunk("", [], "length"), sse("[DONE]")))
     r = await rig.client.post("/v1/completions", json={
         "model": MODEL, "prompt": "Tell me:", "max_tokens": 5, "stream": True})
-    assert r.content == b"".join([chunk("Once"), chunk(" upon"), chunk(" a time"),
-                                  chunk("", "length"), sse("[DONE]")])
+    assert r.content == plain(chunk("Once", [5]), chunk(" upon", [6]), chunk(" a time", [3, 4]),
+                              chunk("", [], "length"), sse("[DONE]"))
     [resumed] = rig.fakes.to(pd1, "/v1/completions")
     assert resumed.body is not None
     assert (resumed.body["prompt"], resumed.body["max_tokens"]) == ("Tell me:Once upon", 3)
 
 
+HE, L = 5, 6  # "He" and "l": generated as two tokens
+
+
+@pytest.mark.parametrize("tokenized", [(HEL,), (4, 3), ()], ids=[
+    "into-one-token", "into-as-many-other-tokens", "the-instance-sent-no-ids"])
 async def test_a_text_that_tokenizes_otherwise_is_generated_again_less_what_was_sent(
-        rig_factory):
-    """Two tokens sent ("He", "l") that /tokenize makes one: only the whole request again
+        rig_factory, tokenized):
+    """Two tokens sent ("He", "l") that /tokenize makes other tokens (one, or as many as were
+    sent: "H"+"el"), or whose ids the instance did not send: only the whole request again
     gives the same tokens after them; the client gets the rest, once."""
     rig = pd2(rig_factory)
     pd0, pd1 = order(rig)
-    rig.fakes.then(pd0, breaks(HEAD[0], sse(chat_chunk("He")), sse(chat_chunk("l"))))
-    again = [HEAD[0], sse(chat_chunk("He")), sse(chat_chunk("llo é€😀")), *REST[2:]]
-    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(*again))
+    ids: tuple[list[int] | None, ...] = ([HE], [L]) if tokenized else (None, None)
+    rig.fakes.then(pd0, breaks(HEAD[0], sse(chat_chunk("He", ids=ids[0])),
+                               sse(chat_chunk("l", ids=ids[1]))))
+    again = [HEAD[0], sse(chat_chunk("He", ids=ids[0])), sse(chat_chunk("llo é€😀")), *REST[2:]]
+    rig.fakes.then(pd1, tokenize(*(tokenized or (HE, L))), lambda seen: sse_response(*again))
     r = await rig.chat("hi", stream=True, max_tokens=10)
     text, events = texts(r.content)
     assert text == "Hello é€😀" and events[-1] == "[DONE]"
@@ -213,12 +234,45 @@ async def test_a_text_that_tokenizes_otherwise_is_generated_again_less_what_was_
     assert resumed.raw == rig.fakes.to(pd0)[0].raw  # the same request, whole
 
 
+async def test_merged_deltas_go_on_after_their_tokens(rig_factory):
+    """vLLM merged two tokens into one delta (a reader that lags): their ids say so, and
+    the stream goes on after both (max_tokens less two)."""
+    rig = pd2(rig_factory)
+    pd0, pd1 = order(rig)
+    rig.fakes.then(pd0, breaks(HEAD[0], sse(chat_chunk("Hel", ids=[HE, L]))))
+    rig.fakes.then(pd1, tokenize(HE, L), lambda seen: sse_response(*REST))
+    r = await rig.chat("hi", stream=True, max_tokens=10)
+    assert texts(r.content)[0] == "Hello é€😀"
+    [resumed] = rig.fakes.to(pd1, "/v1/chat/completions")
+    assert resumed.body is not None and resumed.body["max_tokens"] == 8
+    assert resumed.body["messages"][-1] == {"role": "assistant", "content": "Hel"}
+
+
+async def test_token_ids_are_asked_for_and_taken_out_again(rig_factory):
+    """The proxy asks for them; a client that did not gets vLLM's chunks as vLLM sends
+    them without (ids null, no chunk that carries ids only); one that did gets them."""
+    rig = pd2(rig_factory)
+    ids_only = sse(chat_chunk(ids=[4]))  # a token held back: ids, no text yet
+    chunks = [*HEAD, ids_only, *REST[1:]]
+    for _ in range(2):
+        rig.fakes.then(order(rig)[0], lambda seen: sse_response(*chunks))
+    r = await rig.chat("hi", stream=True)
+    assert r.content == plain(*HEAD, *REST[1:])
+    [sent] = rig.fakes.posts("pd")
+    assert sent.body is not None and sent.body["return_token_ids"] is True
+    r = await rig.chat("hi", stream=True, return_token_ids=True)
+    assert r.content == b"".join(chunks)
+    r = await rig.chat("hi", stream=False)
+    assert "return_token_ids" not in (rig.fakes.posts("pd")[-1].body or {})
+
+
 async def test_an_answer_that_differs_when_generated_again_ends_with_the_error_event(
         rig_factory, caplog):
     rig = pd2(rig_factory)
     pd0, pd1 = order(rig)
-    rig.fakes.then(pd0, breaks(HEAD[0], sse(chat_chunk("He")), sse(chat_chunk("l"))))
-    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(
+    rig.fakes.then(pd0, breaks(HEAD[0], sse(chat_chunk("He", ids=[HE])),
+                               sse(chat_chunk("l", ids=[L]))))
+    rig.fakes.then(pd1, tokenize(HEL), lambda seen: sse_response(
         HEAD[0], sse(chat_chunk("Hi")), *REST[2:]))
     r = await rig.chat("hi", stream=True)
     _, events = texts(r.content)
@@ -227,8 +281,8 @@ async def test_an_answer_that_differs_when_generated_again_ends_with_the_error_e
 
 
 @pytest.mark.parametrize(("extra", "first", "why"), [
-    ({"n": 2}, HEAD, "several choices (n>1)"),
-    ({"logprobs": True}, HEAD, "logprobs would differ"),
+    ({"n": 2}, BARE_HEAD, "several choices (n>1)"),  # ids not asked for: none sent
+    ({"logprobs": True}, BARE_HEAD, "logprobs would differ"),
     ({}, [HEAD[0], sse({"id": "c1", "object": "chat.completion.chunk", "model": MODEL,
                         "choices": [{"index": 0, "finish_reason": None, "delta": {
                             "tool_calls": [{"index": 0, "function": {"name": "f"}}]}}]})],
@@ -241,7 +295,7 @@ async def test_a_stream_that_cannot_go_on_exactly_ends_with_the_error_event(
     rig.fakes.then(pd0, breaks(*first))
     r = await rig.chat("hi", stream=True, **extra)
     _, events = texts(r.content)
-    assert r.content.startswith(b"".join(first)) and "[DONE]" not in events
+    assert r.content.startswith(plain(*first)) and "[DONE]" not in events
     assert "connection reset by peer" in events[-1]["error"]["message"]
     assert rig.fakes.posts(pd1) == []
     assert any(f"stream not resumed ({why})" in rec.getMessage() for rec in caplog.records)
@@ -289,8 +343,8 @@ async def test_the_only_instance_restarted_within_replay_wait(rig_factory, when)
         rig.fakes.down.add("pd0")
         expected = STREAM
     else:
-        rig.fakes.then("pd0", breaks(*HEAD), tokenize(1), lambda seen: sse_response(*REST))
-        expected = b"".join([*HEAD, *REST[1:]])
+        rig.fakes.then("pd0", breaks(*HEAD), tokenize(HEL), lambda seen: sse_response(*REST))
+        expected = plain(*HEAD, *REST[1:])
     request = asyncio.ensure_future(rig.chat("hi", stream=True))
     await _until_waiting(rig)
     assert not request.done()
@@ -319,7 +373,7 @@ async def test_decode_dying_mid_stream_goes_on_through_prefill_again(rig_factory
     rig = rig_factory(prefill=("http://p0",), decode=("http://d0", "http://d1"))
     first, other = order(rig, "decode")
     rig.fakes.then(first, breaks(*HEAD))
-    rig.fakes.then(other, tokenize(1), lambda seen: sse_response(*REST))
+    rig.fakes.then(other, tokenize(HEL), lambda seen: sse_response(*REST))
     r = await rig.chat("hi", stream=True)
     assert texts(r.content)[0] == "Hello é€😀"
     p_bodies = [s.body for s in rig.fakes.posts("p0")]
@@ -332,7 +386,7 @@ async def test_the_journey_shows_both_attempts(rig_factory, caplog, tmp_path):
     rig = pd2(rig_factory)
     pd0, pd1 = order(rig)
     rig.fakes.then(pd0, breaks(*HEAD))
-    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(*REST))
+    rig.fakes.then(pd1, tokenize(HEL), lambda seen: sse_response(*REST))
     caplog.set_level("INFO", "epdctl.proxy")
     await rig.client.post("/v1/chat/completions", headers={"x-request-id": "two-tries"},
                           json={"model": MODEL, "stream": True,
@@ -351,16 +405,16 @@ async def test_vllms_dead_engine_event_mid_stream_is_resumed_not_sent(rig_factor
     rig = pd2(rig_factory)
     pd0, pd1 = order(rig)
     rig.fakes.then(pd0, lambda seen: sse_response(*HEAD, sse(DEAD)))  # then it goes down
-    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(*REST))
+    rig.fakes.then(pd1, tokenize(HEL), lambda seen: sse_response(*REST))
     r = await rig.chat("hi", stream=True)
-    assert r.content == b"".join([*HEAD, *REST[1:]])
+    assert r.content == plain(*HEAD, *REST[1:])
 
 
 async def test_a_chat_prefix_ending_in_a_space_is_generated_again(rig_factory):
     rig = pd2(rig_factory)
     pd0, pd1 = order(rig)
-    rig.fakes.then(pd0, breaks(HEAD[0], sse(chat_chunk("Hel "))))
-    rig.fakes.then(pd1, tokenize(1), lambda seen: sse_response(
+    rig.fakes.then(pd0, breaks(HEAD[0], sse(chat_chunk("Hel ", ids=[HEL]))))
+    rig.fakes.then(pd1, tokenize(HEL), lambda seen: sse_response(
         HEAD[0], sse(chat_chunk("Hel ")), sse(chat_chunk("lo")), *REST[2:]))
     r = await rig.chat("hi", stream=True)
     assert texts(r.content)[0] == "Hel lo"

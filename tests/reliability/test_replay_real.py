@@ -19,6 +19,7 @@ locally; test_engine_faults checks that equals the E path), streamed and not.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -196,15 +197,17 @@ def wait_ready(probe: Probe, restarts: dict[str, int]) -> None:
     assert wait_for(lambda: probe.health()[1].get("status") == "ok", 60), probe.health()
 
 
-def replays(probe: Probe, since: int, least: int = 1) -> tuple[int, int]:
+def replays(probe: Probe, since: int, least: int = 1) -> tuple[int, int, str]:
     """Replays before the first byte and resumed streams the proxy logged since `since`,
-    once at least `least` of them are in its log (lines come through the log relay)."""
+    once at least `least` of them are in its log (lines come through the log relay), and
+    how the streams went on ("after" the text sent, or generated "again, less" it)."""
     def counts() -> tuple[int, int]:
         log = probe.run.log("proxy")[since:]
         return log.count(" replay "), log.count(" resume ")
 
     wait_for(lambda: sum(counts()) >= least, 30)
-    return counts()
+    hows = re.findall(r" resume \d+ (after|again, less) ", probe.run.log("proxy")[since:])
+    return (*counts(), ", ".join(f"{hows.count(h)} {h}" for h in sorted(set(hows))) or "-")
 
 
 def all_ready(probe: Probe) -> dict[str, int]:
@@ -230,9 +233,9 @@ def test_one_of_two_pds_killed(probe: Probe) -> None:
     at = probe.mark("proxy")
     answers, took_s = under_load(probe, ["pd-0"])
     check_exact(probe, answers)
-    replayed, resumed = replays(probe, at)
+    replayed, resumed, hows = replays(probe, at)
     print(f"\none PD of two killed: all {REQUESTS} answered exactly; {replayed} replayed, "
-          f"{resumed} streams resumed; the last answer {took_s:.1f}s after the kill")
+          f"{resumed} streams resumed ({hows}); the last answer {took_s:.1f}s after the kill")
     assert resumed >= 1, probe.run.log("proxy")[at:]
     metrics = httpx.get(f"{probe.proxy}/metrics", timeout=10).text
     assert 'epdctl_proxy_replays_total{outcome="ok",stage="prefill_decode"}' in metrics
@@ -244,10 +247,10 @@ def test_no_pd_left_waits_for_the_restart(probe: Probe) -> None:
     at = probe.mark("proxy")
     answers, took_s = under_load(probe, ["pd-0", "pd-1"])
     check_exact(probe, answers)
-    replayed, resumed = replays(probe, at)
+    replayed, resumed, hows = replays(probe, at)
     print(f"\nevery PD killed: all {REQUESTS} answered exactly after the restart; "
-          f"{replayed} replayed, {resumed} streams resumed; the last answer {took_s:.1f}s "
-          "after the kill")
+          f"{replayed} replayed, {resumed} streams resumed ({hows}); the last answer "
+          f"{took_s:.1f}s after the kill")
     assert replayed + resumed >= 1  # they did wait for the restart (not one was lost)
     wait_ready(probe, {"pd-0": restarts["pd-0"] + 1, "pd-1": restarts["pd-1"] + 1})
 
