@@ -10,7 +10,7 @@ from typing import Any
 from epdctl.proxy import jsonio
 from epdctl.proxy.routing import CHAT, COMPLETIONS
 
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
+EVENT_END = re.compile(rb"\r?\n\r?\n")
 ENGINE_DEAD = b"EngineCore encountered an issue"
 """vLLM's message when its engine died (EngineDeadError): the instance is going down."""
 _PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -44,7 +44,7 @@ def split_events(buf: bytes) -> tuple[bytes, bytes]:
 def events(buf: bytes) -> list[Any]:
     """Every complete event's data, decoded: "[DONE]", a JSON value, or None (a comment)."""
     out: list[Any] = []
-    for event in _EVENT_END.split(buf)[:-1]:
+    for event in EVENT_END.split(buf)[:-1]:
         lines = [ln[5:].removeprefix(b" ") for ln in event.splitlines() if ln.startswith(b"data:")]
         data = b"\n".join(lines)
         if not lines:
@@ -188,7 +188,7 @@ def adjust(chunk: bytes, sent_tokens: int, state: dict[str, bool]) -> bytes:
     if state.get("is_started") and b'"usage"' not in chunk:
         return chunk
     out = []
-    for raw in _EVENT_END.split(chunk)[:-1]:
+    for raw in EVENT_END.split(chunk)[:-1]:
         event = events(raw + b"\n\n")[0]
         if not state.get("is_started"):
             if isinstance(event, dict) and _is_opening(event):
@@ -237,7 +237,7 @@ class Skip:
         if not self.left:
             return chunk
         out = []
-        for raw in _EVENT_END.split(chunk)[:-1]:
+        for raw in EVENT_END.split(chunk)[:-1]:
             event = events(raw + b"\n\n")[0]
             choices = event.get("choices") if isinstance(event, dict) else None
             if not self.left or not choices or not isinstance(choices[0], dict):

@@ -13,11 +13,11 @@ import re
 from typing import Any
 
 from epdctl.proxy import jsonio
+from epdctl.proxy.resume import EVENT_END, events
 from epdctl.proxy.routing import CHAT
 
 KEY = "return_token_ids"
 _IDS = re.compile(rb'"(prompt_)?token_ids":\s*\[([0-9,\s]*)\]')
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
 _IDS_ONLY = re.compile(rb'"delta":\s*\{\}')
 
 
@@ -72,7 +72,7 @@ class TokenIds:
 
         out = _IDS.sub(take, chunk)
         if self.is_ours and self.route == CHAT and _IDS_ONLY.search(out):
-            out = b"".join(raw + b"\n\n" for raw in _EVENT_END.split(out)[:-1]
+            out = b"".join(raw + b"\n\n" for raw in EVENT_END.split(out)[:-1]
                            if not _is_ids_only(raw))
         return out
 
@@ -82,12 +82,7 @@ def _is_ids_only(raw: bytes) -> bool:
     back), which it skips otherwise."""
     if not _IDS_ONLY.search(raw):
         return False
-    data = b"\n".join(ln[5:].removeprefix(b" ") for ln in raw.splitlines()
-                      if ln.startswith(b"data:"))
-    try:
-        event = jsonio.loads(data)
-    except ValueError:
-        return False
+    event = events(raw + b"\n\n")[0]
     if not isinstance(event, dict) or event.get("usage"):
         return False
     choices = event.get("choices")
