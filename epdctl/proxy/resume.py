@@ -28,7 +28,6 @@ class SoFar:
     is_finished: bool = False
     """A finish_reason was sent: only the usage chunk and [DONE] may be missing."""
     is_done: bool = False
-    has_usage: bool = False
     last: dict[str, Any] = field(default_factory=dict)
     """The last chunk sent (its id, object, model and created start a made-up one)."""
     why_not: str | None = None
@@ -76,8 +75,6 @@ def read_so_far(sent: bytes, route: str) -> SoFar:
         if not isinstance(event, dict):
             continue
         so_far.last = event
-        if event.get("usage"):
-            so_far.has_usage = True
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
@@ -205,10 +202,10 @@ def adjust(chunk: bytes, sent_tokens: int, state: dict[str, bool]) -> bytes:
 
 
 def _is_opening(event: dict[str, Any]) -> bool:
-    """vLLM's first chat chunk: a role and no content, nor usage, nor finish (a completion
-    stream has none)."""
+    """vLLM's first chat chunk: a role and no content, nor finish (a completion stream has
+    none); with continuous usage stats it carries a usage too."""
     choices = event.get("choices")
-    if not isinstance(choices, list) or not choices or event.get("usage"):
+    if not isinstance(choices, list) or not choices:
         return False
     for choice in choices:
         if not isinstance(choice, dict) or choice.get("finish_reason") is not None:

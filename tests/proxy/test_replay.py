@@ -175,6 +175,30 @@ async def test_usage_counts_as_if_nothing_broke(rig_factory):
                                    "total_tokens": 15}
 
 
+async def test_continuous_usage_goes_on_counting_and_sends_one_opening(rig_factory):
+    """With `continuous_usage_stats` every chunk has a usage, the continuation's opening
+    one too: it is not sent again, and the counts go on from the tokens sent."""
+    rig = pd2(rig_factory)
+    pd0, pd1 = order(rig)
+
+    def counted(chunk: dict[str, Any], prompt: int, done: int) -> bytes:
+        return sse({**chunk, "usage": {"prompt_tokens": prompt, "completion_tokens": done,
+                                       "total_tokens": prompt + done}})
+
+    rig.fakes.then(pd0, breaks(counted(chat_chunk("", role="assistant"), 12, 0),
+                               counted(chat_chunk("Hel", ids=[HEL]), 12, 1)))
+    rig.fakes.then(pd1, tokenize(HEL), lambda seen: sse_response(
+        counted(chat_chunk("", role="assistant"), 13, 0),
+        counted(chat_chunk("lo", ids=[8]), 13, 1), sse("[DONE]")))
+    r = await rig.chat("hi", stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True})
+    _, events = texts(r.content)
+    assert [e["choices"][0]["delta"].get("role") for e in events[:-1]] \
+        == ["assistant", None, None]
+    assert [e["usage"]["completion_tokens"] for e in events[:-1]] == [0, 1, 2]
+    assert {e["usage"]["prompt_tokens"] for e in events[:-1]} == {12}
+
+
 async def test_the_token_limit_reached_at_the_break_finishes_with_length(rig_factory):
     rig = pd2(rig_factory)
     pd0, pd1 = order(rig)

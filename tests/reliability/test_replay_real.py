@@ -40,9 +40,11 @@ REQUESTS = 12
 MAX_TOKENS = 600
 """Long enough that a stream is under way for a second or more (the tiny model decodes a
 token in a few ms): the kill lands while some stream is half sent."""
-UNDER_WAY = 100
+UNDER_WAY = 200
 """Tokens a stream still has to come for the kill to land inside it: more than can be on
-their way (in sockets, in the proxy) when its PD is frozen."""
+their way (in sockets, in the proxy) when its PD is frozen. Counted by the usage every
+chunk carries (`continuous_usage_stats`): a chunk may hold many tokens (vLLM merges the
+deltas of a reader that lags), so the chunks a client has say little of how far PD is."""
 REPLAY_WAIT_S = 400  # a loaded 2-core CI machine restarts PD in about a minute
 RESTART_READY_S = 400
 SEEDS = range(1, REQUESTS + 1)
@@ -77,17 +79,22 @@ def request(seed: int, **extra: Any) -> dict[str, Any]:
                 **extra)
 
 
+USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
 def pieces(base: str, req: dict[str, Any], started: dict[int, list[Any]] | None = None,
            seed: int = 0, key: str | None = None) -> list[str]:
-    """A stream's content deltas, one per token; it must end with [DONE] and no error
-    (`key`: an instance wants the run's internal key). `started[seed]`: the stream's id and
-    the deltas it has had so far, once it has one."""
+    """A stream's content deltas; it must end with [DONE] and no error, and its usage count
+    every token (`key`: an instance wants the run's internal key). `started[seed]`: the
+    stream's id and the tokens it has had so far, once it has one."""
     out: list[str] = []
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**req, "stream": True},
+    with httpx.stream("POST", f"{base}/v1/chat/completions",
+                      json={**req, "stream": True, "stream_options": USAGE},
                       timeout=REPLAY_WAIT_S + 120, headers=headers) as reply:
         assert reply.status_code == 200, reply.read()
         lines = []
+        tokens = 0
         for line in reply.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -96,12 +103,14 @@ def pieces(base: str, req: dict[str, Any], started: dict[int, list[Any]] | None 
                 break
             event = json.loads(line.removeprefix("data: "))
             assert "error" not in event, event
+            tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
             for choice in event["choices"]:
                 if choice["delta"].get("content") is not None and "role" not in choice["delta"]:
                     out.append(choice["delta"]["content"])
                     if started is not None:
-                        started[seed] = [event["id"], len(out)]
+                        started[seed] = [event["id"], tokens]
     assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    assert tokens == MAX_TOKENS, (tokens, lines[-3:])
     return out
 
 
