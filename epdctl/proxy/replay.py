@@ -71,8 +71,7 @@ class Replayer:
         except StageFailed as failed:
             answer = await self._replay(failed, route, second, is_stream, trace, state)
         if answer.stream is not None:
-            answer.stream = self._resuming(answer.stream, route, second, trace, state,
-                                           ids or token_ids.TokenIds(route, False))
+            answer.stream = self._resuming(answer.stream, route, second, trace, state, ids)
         return answer
 
     async def _replay(self, failed: StageFailed, route: str, body: dict[str, Any] | bytes,
@@ -126,7 +125,7 @@ class Replayer:
 
     async def _resuming(self, stream: AsyncIterator[bytes], route: str,
                         body: dict[str, Any] | bytes, trace: Trace, state: _State,
-                        ids: token_ids.TokenIds) -> AsyncIterator[bytes]:
+                        ids: token_ids.TokenIds | None) -> AsyncIterator[bytes]:
         """The stream, whole events at a time (the ids of its tokens read, and taken out
         where the proxy asked for them); broken, it goes on elsewhere when it can."""
         sent: list[bytes] = []
@@ -136,7 +135,8 @@ class Replayer:
             try:
                 async for chunk in stream:
                     whole, tail = resume.split_events(tail + chunk)
-                    whole = ids(whole) if whole else whole
+                    if ids is not None:
+                        whole = ids(whole)
                     if not whole:
                         continue
                     if resume.ENGINE_DEAD in whole and resume.is_dead_engine(whole):
@@ -168,7 +168,7 @@ class Replayer:
                 tail = b""  # half an event from the instance that died: never sent
 
     async def _go_on(self, exc: UpstreamError, route: str, body: dict[str, Any] | bytes,
-                     sent: bytes, trace: Trace, state: _State, ids: token_ids.TokenIds
+                     sent: bytes, trace: Trace, state: _State, ids: token_ids.TokenIds | None
                      ) -> bytes | tuple[AsyncIterator[bytes], Callable[[bytes], bytes]]:
         """The continuation's stream and how its chunks become the client's, or the bytes
         that end the client's stream: [DONE] (all was sent), or the error event (why: in
@@ -203,7 +203,7 @@ class Replayer:
                 # A chat template may trim a prefix's trailing spaces: then the same way
                 # as a text that would not tokenize back into the tokens sent.
                 is_kept = route != CHAT or so_far.text == so_far.text.rstrip()
-                if ids.is_seen and tokens == ids.ids and is_kept:  # go on after them
+                if ids is not None and ids.is_seen and tokens == ids.ids and is_kept:
                     count = len(tokens)
                     new = resume.continuation(as_dict, route, so_far.text, count)
                     fix: Callable[[bytes], bytes] = functools.partial(resume.adjust,
@@ -212,7 +212,8 @@ class Replayer:
                     how = "after"
                 else:  # it would tokenize otherwise: the same request again, less the text
                     new, fix, how = as_dict, resume.Skip(so_far.text, route), "again, less"
-                    ids.restart()
+                    if ids is not None:
+                        ids.restart()
                 if new is None:
                     self._count(stage, "ok")
                     return resume.length_finish(so_far, route) + b"data: [DONE]\n\n"
