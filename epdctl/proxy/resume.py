@@ -3,14 +3,13 @@ the text so far as an assistant prefix (chat) or after the prompt (completions).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from epdctl.proxy import jsonio
 from epdctl.proxy.routing import CHAT, COMPLETIONS
+from epdctl.proxy.sse import EVENT_END, event_data
 
-EVENT_END = re.compile(rb"\r?\n\r?\n")
 ENGINE_DEAD = b"EngineCore encountered an issue"
 """vLLM's message when its engine died (EngineDeadError): the instance is going down."""
 _PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -44,9 +43,8 @@ def events(buf: bytes) -> list[Any]:
     """Every complete event's data, decoded: "[DONE]", a JSON value, or None (a comment)."""
     out: list[Any] = []
     for event in EVENT_END.split(buf)[:-1]:
-        lines = [ln[5:].removeprefix(b" ") for ln in event.splitlines() if ln.startswith(b"data:")]
-        data = b"\n".join(lines)
-        if not lines:
+        data = event_data(event)
+        if data is None:
             out.append(None)
         elif data.strip() == b"[DONE]":
             out.append("[DONE]")

@@ -8,7 +8,7 @@ from typing import Any
 from epdctl.proxy import jsonio
 
 # vLLM separates events with a blank line; tolerate CRLF from other servers.
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
+EVENT_END = re.compile(rb"\r?\n\r?\n")
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls", "function_call")
 PEEK_LIMIT_BYTES = 256 * 1024
 # /v1/responses streams open with these before any output (vLLM sends both at once).
@@ -16,7 +16,7 @@ _RESPONSES_PREAMBLE = frozenset({"response.created", "response.in_progress", "re
 _RESPONSES_ERRORS = frozenset({"error", "response.failed"})
 
 
-def _event_data(event: bytes) -> bytes | None:
+def event_data(event: bytes) -> bytes | None:
     """The joined `data:` lines of one event, None for a comment or keep-alive."""
     lines = [line[5:].removeprefix(b" ") for line in event.splitlines()
              if line.startswith(b"data:")]
@@ -25,7 +25,7 @@ def _event_data(event: bytes) -> bytes | None:
 
 def classify(event: bytes) -> tuple[str, dict[str, Any] | None]:
     """"error" (with the error object), "commit" (content, finish, [DONE]) or "wait"."""
-    data = _event_data(event)
+    data = event_data(event)
     if data is None:
         return "wait", None
     if data.strip() == b"[DONE]":
@@ -62,7 +62,7 @@ def classify(event: bytes) -> tuple[str, dict[str, Any] | None]:
 
 def verdict(buf: bytes) -> tuple[str, dict[str, Any] | None]:
     """Judge every complete event in what has arrived so far."""
-    events = _EVENT_END.split(buf)
+    events = EVENT_END.split(buf)
     for event in events[:-1]:
         kind, obj = classify(event)
         if kind != "wait":
