@@ -61,7 +61,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
     table = rows(doc)
     lines = ["# epdctl tune", "",
              f"Best measured: `{doc.get('best') or '-'}` "
-             f"({_num(doc.get('best_goodput'))} req/s). Stopped: {doc['stop_reason']}.", "",
+             f"({_num(doc.get('best_goodput'))} req/s)"
+             + (f", since {doc['best_reason']}" if doc.get("best_reason") else "")
+             + f". Stopped: {doc['stop_reason']}.", "",
              "| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
     lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
     if doc.get("not_confirmed"):

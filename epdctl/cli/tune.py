@@ -135,5 +135,7 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     app.out.print(text_table(doc), markup=False)
     app.out.print(f"best measured: {doc['best'] or '-'}; stopped: {doc['stop_reason']}",
                   markup=False)
+    if doc.get("best_reason"):
+        app.out.print(f"  ({doc['best_reason']})", markup=False)
     for line in left_out(doc) + hints(doc):
         app.out.print(line, markup=False)

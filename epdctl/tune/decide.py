@@ -105,6 +105,23 @@ def _verdict(a: Measured, b: Measured) -> bool | None:
     return True if side == "better" else False if side == "worse" else None
 
 
+def best_measured(measured: Sequence[Measured], kinds: Mapping[str, str]) -> Measured | None:
+    """The recommendation among the confirmed: the highest goodput that nothing measured is
+    decided to beat; but the best aggregated one unless that is decided to beat it (EPD's
+    extra instances and hand-offs must pay for themselves: a tie goes to the simpler
+    topology, as bench's "does EPD pay off?" would say)."""
+    best: Measured | None = None
+    for m in sorted(measured, key=lambda m: -m.goodput):
+        if best is None or is_better(m, best):
+            best = m
+    aggregated = max((m for m in measured if kinds.get(m.name) == "aggregated"),
+                     key=lambda m: m.goodput, default=None)
+    if best is not None and aggregated is not None and kinds.get(best.name) != "aggregated" \
+            and is_better(best, aggregated) is not True:
+        return aggregated
+    return best
+
+
 def corrected(predicted: Mapping[str, float], kinds: Mapping[str, str],
               measured: Mapping[str, Measured]) -> dict[str, float]:
     """The predictions corrected by what confirmation measured: a confirmed candidate's is

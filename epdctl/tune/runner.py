@@ -16,7 +16,7 @@ from epdctl.bench.workload import Workload
 from epdctl.errors import BenchError
 from epdctl.topology import Topology
 from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
-from epdctl.tune.decide import Decision, Measured, corrected, is_better, next_step
+from epdctl.tune.decide import Decision, Measured, best_measured, corrected, next_step
 from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
@@ -215,7 +215,12 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
                    cost_s * max(settings.max_confirm - len(measured), 0))
         progress.line(f"  measured {row.measured.goodput:.3g} req/s; {spent:.0f} s spent, "
                       f"at most ~{max(left, 0):.0f} s left")
-    best = _best(list(measured.values()))
+    best = best_measured(list(measured.values()), kinds)
+    top = max(measured.values(), key=lambda m: m.goodput, default=None)
+    why = None
+    if best is not None and top is not None and top is not best:
+        why = (f"`{top.name}` measured {top.goodput:.3g} req/s but is not decided to beat "
+               f"aggregated `{best.name}` ({best.goodput:.3g}): the simpler topology")
     return {
         "candidates": [r.as_json() for r in ranked] + [r.as_json() for r in rows
                                                        if not r.prediction],
@@ -224,6 +229,7 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         "not_profiled": not_profiled,
         "best": best.name if best else None,
         "best_goodput": best.goodput if best else None,
+        "best_reason": why,
         "elapsed_s": round(clock() - started, 1),
         "profile": {k: asdict(v) for k, v in profile.stages.items()},
     }
@@ -240,10 +246,3 @@ def _measured(name: str, entry: dict[str, Any]) -> Measured:
                     samples=samples)
 
 
-def _best(measured: Sequence[Measured]) -> Measured | None:
-    """The best measured: one that nothing measured is decided to beat, highest goodput."""
-    best: Measured | None = None
-    for m in sorted(measured, key=lambda m: -m.goodput):
-        if best is None or is_better(m, best):
-            best = m
-    return best

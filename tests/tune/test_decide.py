@@ -8,6 +8,7 @@ from epdctl.bench.samples import Request, Round
 from epdctl.tune.decide import (
     Measured,
     attainment,
+    best_measured,
     corrected,
     is_better,
     knee,
@@ -137,3 +138,21 @@ def test_the_corrected_predictions_order_what_is_confirmed_next() -> None:
     step = next_step(pred, measured, must=["agg"], elapsed_s=0, budget_s=100, cost_s=1,
                      order=order)
     assert step.next == "y"  # E|PD was overrated 2x; y's kind was not seen
+
+
+KINDS = {"epd": "epd", "e-pd": "e-pd", "agg": "aggregated", "agg2": "aggregated"}
+
+
+def test_the_best_measured_is_disaggregated_only_where_it_is_decided_to_beat_aggregated() -> None:
+    agg = Measured("agg", 6.3)
+    # 3 % higher: not decided (MARGIN 5 %), so the simpler topology is recommended.
+    assert best_measured([Measured("e-pd", 6.49), agg], KINDS) is agg
+    decided = Measured("epd", 20.2)
+    assert best_measured([agg, decided, Measured("e-pd", 6.49)], KINDS) is decided
+    # The best aggregated one is what a tie goes to; among aggregated ones, the highest.
+    agg2 = Measured("agg2", 6.0)
+    assert best_measured([Measured("e-pd", 6.49), agg2, agg], KINDS) is agg
+    assert best_measured([agg2, agg], KINDS) is agg
+    # Nothing aggregated measured: the highest goodput; nothing measured: None.
+    assert best_measured([Measured("e-pd", 6.49), Measured("epd", 6.3)], KINDS).name == "e-pd"
+    assert best_measured([], KINDS) is None

@@ -197,3 +197,20 @@ def test_a_budget_spent_while_profiling_stops_it_there(tmp_path: Path) -> None:
     assert said[0].startswith("not profiled") and report["not_profiled"][0] in said[0]
     assert said[1].startswith("not confirmed: ")
     assert "Not profiled (so not predicted): " in markdown(report)
+
+
+def test_a_disaggregated_candidate_not_decided_better_than_aggregated_is_not_recommended(
+        tmp_path: Path) -> None:
+    def close(candidate: Candidate, knee: float) -> Measured:
+        got = 6.3 if candidate.shape.kind == "aggregated" else 6.45  # 2 % apart: no verdict
+        return Measured(candidate.name, got, points=((got, 1.0), (got * 2, 0.5)))
+
+    report = tune(settings(tmp_path), profiler_calls([]), close, Log(), Clock())
+    rows = {r["name"]: r for r in report["candidates"]}
+    confirmed = [r for r in rows.values() if r["measured_goodput"] is not None]
+    assert any(r["kind"] != "aggregated" for r in confirmed)
+    assert rows[report["best"]]["kind"] == "aggregated"
+    assert "not decided to beat aggregated" in report["best_reason"]
+    from epdctl.cli._tune_render import markdown
+
+    assert "the simpler topology" in markdown(report)
