@@ -218,7 +218,8 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
     best = best_measured(list(measured.values()), kinds)
     top = max(measured.values(), key=lambda m: m.goodput, default=None)
     why = None
-    if best is not None and top is not None and top is not best:
+    if best is not None and top is not None and kinds.get(best.name) == "aggregated" \
+            and kinds.get(top.name) != "aggregated":  # a tie went to aggregated
         why = (f"`{top.name}` measured {top.goodput:.3g} req/s but is not decided to beat "
                f"aggregated `{best.name}` ({best.goodput:.3g}): the simpler topology")
     return {
@@ -244,5 +245,3 @@ def _measured(name: str, entry: dict[str, Any]) -> Measured:
         samples = ()
     return Measured(name, float(entry["goodput"]), points=tuple(map(tuple, entry["points"])),
                     samples=samples)
-
-
