@@ -11,6 +11,7 @@ import click
 
 from epdctl.cli._app import App, pass_app
 from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS
 
 
 def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
@@ -52,9 +53,14 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
               help="Stop confirming once this is spent (30m, 2h, seconds).")
 @click.option("--max-confirm", type=click.IntRange(2), default=4, show_default=True,
               help="Candidates confirmed with bench at most.")
-@click.option("--confirm-points", "confirm_points", type=click.IntRange(1, 4), default=4,
-              show_default=True, help="Load points per confirmation run, around the "
-              "predicted knee (fewer: faster, a coarser measured knee).")
+@click.option("--confirm-points", "confirm_points", type=click.IntRange(1, max(KNEE_FACTORS)),
+              default=max(KNEE_FACTORS), show_default=True,
+              help="Load points per confirmation run, around the predicted knee (fewer: "
+              "faster, a coarser measured knee).")
+@click.option("--knee-steps", "knee_steps", type=click.IntRange(0, 8),
+              default=KNEE_STEPS, show_default=True, help="Load points a confirmation may "
+              "add, each 1.41x the last, while every rate holds the SLO (or down while even "
+              "the lowest misses): the knee bracketed, not a lower bound. 0: none.")
 @click.option("--model-facts", "facts_file", type=click.Path(path_type=Path), metavar="FILE",
               help="YAML with a `model:` section (heads, weights, kv_per_token): for a model "
               "that is not a local directory (a simulated machine's cost model qualifies).")
@@ -67,8 +73,9 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
               show_default=True, help="Seconds each topology gets to become ready.")
 @pass_app
 def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
-         max_confirm: int, confirm_points: int, facts_file: Path | None, out_dir: Path | None,
-         write_path: Path | None, as_json: bool, timeout_s: float, **opts: Any) -> None:
+         max_confirm: int, confirm_points: int, knee_steps: int, facts_file: Path | None,
+         out_dir: Path | None, write_path: Path | None, as_json: bool, timeout_s: float,
+         **opts: Any) -> None:
     """Recommend a topology for a workload and an SLO: profile, predict, confirm with bench"""
     from epdctl.bench.workload import LoadPoint, Workload, parse_image_size, parse_slo
     from epdctl.cli._tune_render import hints, left_out, text_table, write_out
@@ -118,7 +125,8 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     profiler = live.LiveProfiler(app.state_root, out, Bodies(workload, base.model_name),
                                  tokens, timeout_s=timeout_s)
     confirmer = live.LiveConfirmer(workload, app.state_root, out, timeout_s=timeout_s,
-                                   progress=progress, points=confirm_points)
+                                   progress=progress, points=confirm_points,
+                                   steps=knee_steps)
     try:
         doc = run_tune(settings, profiler, confirmer, progress)
     except KeyboardInterrupt:

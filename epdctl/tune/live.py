@@ -20,14 +20,10 @@ from epdctl.tune.decide import Measured, attainment, knee, knee_rate
 from epdctl.tune.probes import Bodies, Measurements, profile_running
 from epdctl.tune.profile import LEVELS
 from epdctl.tune.runner import Progress
+from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS, bracketing, confirmation_rates
 
 if TYPE_CHECKING:
     from epdctl.bench.runner import PointRun
-
-KNEE_FACTORS = {1: (1.0,), 2: (0.8, 1.25), 3: (0.5, 1.0, 1.25), 4: (0.5, 0.8, 1.0, 1.25)}
-"""Load points of a confirmation run, as multiples of the predicted knee, by their count
-(`--confirm-points`: fewer is faster, the knee coarser)."""
-
 
 def use_sim_bench_command() -> None:
     """On the simulated machine, the simulated `vllm bench serve` (epdctl.sim.loadgen: the
@@ -100,15 +96,18 @@ class LiveProfiler:
 
 class LiveConfirmer:
     def __init__(self, workload: Workload, state_root: Path, out_dir: Path, *,
-                 timeout_s: float, progress: Progress, points: int = 4) -> None:
+                 timeout_s: float, progress: Progress, points: int = 4,
+                 steps: int = KNEE_STEPS) -> None:
         self.workload, self.state_root, self.out_dir = workload, state_root, out_dir
         self.timeout_s, self.progress = timeout_s, progress
-        self.factors = KNEE_FACTORS[points]
+        self.factors, self.steps = KNEE_FACTORS[points], steps
 
     def __call__(self, candidate: Candidate, predicted: float) -> Measured:
-        """Bench near the predicted knee: its KNEE_FACTORS times it."""
-        return self.measure(candidate, [round(max(predicted, 0.05) * f, 4)
-                                        for f in self.factors])
+        """Bench near the predicted knee (its KNEE_FACTORS times it), then further up or
+        down until the knee is bracketed (at most `steps` more points)."""
+        rates = confirmation_rates(predicted, self.factors, self.steps)
+        return self.measure(candidate, rates,
+                            bracketing(rates, len(self.factors), self.steps))
 
     def measure(self, candidate: Candidate, rates: Sequence[float],
                 wanted: Callable[[int, Sequence[PointRun]], bool] | None = None) -> Measured:

@@ -12,6 +12,8 @@ import pytest
 from click.testing import Result
 
 from epdctl.topology import load_topology
+from epdctl.tune.model import ATTAINMENT
+from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS
 from tests.vllm_harness import free_ports
 
 
@@ -61,6 +63,11 @@ def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> 
     shapes = sorted(c["shape"] for c in doc["candidates"])
     assert shapes == ["1E~1PD", "1PD"]
     assert all(c["measured_goodput"] is not None for c in doc["candidates"])
+    for c in doc["candidates"]:  # each knee bracketed: a rate held, the next one up missed
+        shares = [share for _, share in sorted(c["measured_points"])]
+        held = [share >= ATTAINMENT for share in shares]
+        assert (True in held and False in held) or len(shares) == max(KNEE_FACTORS) \
+            + KNEE_STEPS, c["measured_points"]
     assert {c["bottleneck"] for c in doc["candidates"]} <= {"encode", "prefill_decode"}
     assert (out / "report.json").is_file() and "| # |" in (out / "report.md").read_text()
     assert set(json.loads((out / "profiles.json").read_text())["entries"]) == {"1E~1PD", "1PD"}

@@ -1,0 +1,87 @@
+"""A confirmation's load points: the ones around the predicted knee, then more up (or down)
+until a rate that holds the SLO has one above it that misses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from epdctl.tune.decide import knee
+from epdctl.tune.search import KNEE_FACTORS, KNEE_STEP, bracketing, confirmation_rates
+
+
+@dataclass
+class Point:
+    """What bracketing reads of bench's PointRun."""
+
+    index: int
+    figures: dict[str, float | int | None]
+
+
+def run(rates: Sequence[float], first: int, steps: int, true_knee: float
+        ) -> list[tuple[float, float]]:
+    """The points run_arms would run, in its order, against a server that holds the SLO up
+    to `true_knee` req/s (every request) and misses it above (half of them)."""
+    wanted = bracketing(rates, first, steps)
+    done: list[Any] = []  # Points: what bracketing reads of PointRuns
+    for index, rate in enumerate(rates):
+        if wanted(index, done):
+            share = 1.0 if rate <= true_knee else 0.5
+            done.append(Point(index, {"request_goodput": share * rate,
+                                      "request_throughput": rate}))
+    return [(rates[p.index], p.figures["request_goodput"] / rates[p.index]) for p in done]
+
+
+def test_rates_are_the_factors_then_steps_up_then_down() -> None:
+    rates = confirmation_rates(10.0, KNEE_FACTORS[4], 2)
+    assert rates[:4] == (5.0, 8.0, 10.0, 12.5)
+    assert rates[4:6] == pytest.approx((12.5 * KNEE_STEP, 12.5 * KNEE_STEP ** 2), abs=1e-3)
+    assert rates[6:] == pytest.approx((5.0 / KNEE_STEP, 5.0 / KNEE_STEP ** 2), abs=1e-3)
+    assert confirmation_rates(0.0, (1.0,), 0) == (0.05,)  # a knee predicted at 0 still runs
+
+
+def test_a_knee_inside_the_factors_adds_nothing() -> None:
+    rates = confirmation_rates(10.0, KNEE_FACTORS[4], 4)
+    points = run(rates, 4, 4, true_knee=9.0)
+    assert [r for r, _ in points] == [5.0, 8.0, 10.0, 12.5]
+    assert 8.0 <= knee(points) <= 10.0
+
+
+@pytest.mark.parametrize("true_knee", [14.0, 30.0, 45.0])
+def test_a_knee_above_every_factor_goes_on_up_until_a_rate_misses(true_knee: float) -> None:
+    rates = confirmation_rates(10.0, KNEE_FACTORS[4], 4)
+    points = run(rates, 4, 4, true_knee)
+    ran = [r for r, _ in points]
+    assert ran[:4] == [5.0, 8.0, 10.0, 12.5] and len(ran) > 4
+    assert all(r > 12.5 for r in ran[4:])  # only up: the lowest held
+    misses = [r for r, share in points if share < 0.9]
+    assert misses == [max(ran)]  # it stopped at the first miss
+    held = max(r for r, share in points if share >= 0.9)
+    assert held <= true_knee < max(ran)
+    assert held <= knee(points) < max(ran)
+
+
+def test_steps_are_a_limit_a_knee_beyond_them_stays_a_lower_bound() -> None:
+    rates = confirmation_rates(10.0, KNEE_FACTORS[4], 2)
+    points = run(rates, 4, 2, true_knee=1000.0)
+    assert len(points) == 6 and all(share == 1.0 for _, share in points)
+    assert knee(points) == pytest.approx(12.5 * KNEE_STEP ** 2, abs=1e-3)
+
+
+def test_a_knee_below_every_factor_goes_down_until_a_rate_holds() -> None:
+    rates = confirmation_rates(10.0, KNEE_FACTORS[4], 4)
+    points = run(rates, 4, 4, true_knee=2.0)
+    ran = [r for r, _ in points]
+    assert ran[:4] == [5.0, 8.0, 10.0, 12.5]
+    assert all(r < 5.0 for r in ran[4:]) and len(ran) > 4  # only down: the lowest missed
+    assert [r for r, share in points if share >= 0.9] == [min(ran)]
+    assert min(ran) <= 2.0 and knee(points) >= min(ran)
+
+
+def test_no_steps_runs_the_factors_alone() -> None:
+    rates = confirmation_rates(10.0, KNEE_FACTORS[2], 0)
+    assert [r for r, _ in run(rates, 2, 0, true_knee=100.0)] == [8.0, 12.5]
+    assert [r for r, _ in run(rates, 2, 0, true_knee=1.0)] == [8.0, 12.5]
