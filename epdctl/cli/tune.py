@@ -11,7 +11,7 @@ import click
 
 from epdctl.cli._app import App, pass_app
 from epdctl.readiness import STARTUP_TIMEOUT_S
-from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS
+from epdctl.tune.search import KNEE_FACTORS, KNEE_STEP, KNEE_STEPS
 
 
 def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
@@ -59,8 +59,9 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
               "faster, a coarser measured knee).")
 @click.option("--knee-steps", "knee_steps", type=click.IntRange(0, 8),
               default=KNEE_STEPS, show_default=True, help="Load points a confirmation may "
-              "add, each 1.41x the last, while every rate holds the SLO (or down while even "
-              "the lowest misses): the knee bracketed, not a lower bound. 0: none.")
+              f"add, each {KNEE_STEP:.2f}x the last, while every rate holds the SLO (or "
+              "down while even the lowest misses): the knee bracketed, not a lower bound. "
+              "0: none.")
 @click.option("--model-facts", "facts_file", type=click.Path(path_type=Path), metavar="FILE",
               help="YAML with a `model:` section (heads, weights, kv_per_token): for a model "
               "that is not a local directory (a simulated machine's cost model qualifies).")

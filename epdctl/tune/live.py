@@ -25,6 +25,7 @@ from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS, bracketing, confirmatio
 if TYPE_CHECKING:
     from epdctl.bench.runner import PointRun
 
+
 def use_sim_bench_command() -> None:
     """On the simulated machine, the simulated `vllm bench serve` (epdctl.sim.loadgen: the
     engines are fake, and vLLM's own would import vLLM and torch at every load point),

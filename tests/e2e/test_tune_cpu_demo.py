@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from epdctl.topology import load_topology
+from epdctl.tune.model import ATTAINMENT
 from tests.e2e.topology_run import (
     cli_env,
     leftovers,
@@ -75,7 +76,7 @@ def test_tune_cpu_demo_confirms_two_and_writes_a_topology_up_runs(tiny_llava: Pa
         for row in rows.values():
             assert row["measured_goodput"] is not None, (row, result.stderr[-3000:])
             points = row["measured_points"]
-            low, high = (share >= 0.9 for _, share in points[:2])
+            low, high = (share >= ATTAINMENT for _, share in points[:2])
             assert len(points) == (3 if (low and high) or not low else 2), row
             runs = out / "bench" / row["name"] / "runs"
             assert len(list(runs.glob(f"{row['name']}-*.json"))) == len(points)
