@@ -164,13 +164,25 @@ class RunState(BaseModel):
         return self.proxy.env.get(UPSTREAM_KEY_ENV)
 
 
+BOOT_TIME_SLACK_S = 2
+"""Whole seconds a recorded start time may be off for the same process. psutil gives a start
+as the seconds since boot (exact, in 10 ms ticks) plus /proc/stat's `btime`, and the kernel
+rounds `btime` (now minus uptime) to whole seconds: on a machine whose clock is slewed it
+moves by a second now and then (seen on a VM), and a start recorded before that reads a
+second off after it. A pid reused by another process would have to wrap the pid space within
+that slack and start on the very tick."""
+
+
 def process_matches(pid: int, create_time: float) -> bool | None:
-    """True: that very process is alive; False: gone (or a zombie); None: pid reused (stale)."""
+    """True: that very process is alive; False: gone (or a zombie); None: pid reused (stale).
+    The process is the one recorded when its start differs from `create_time` by whole seconds
+    only, at most BOOT_TIME_SLACK_S of them (to the tick: 0.01 s)."""
     import psutil
 
     try:
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - create_time) > 0.01:
+        off = proc.create_time() - create_time
+        if abs(off - round(off)) > 0.01 or abs(round(off)) > BOOT_TIME_SLACK_S:
             return None
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -84,6 +84,18 @@ def test_process_matches_live_dead_and_reused() -> None:
     assert process_matches(child.pid, created) is False
 
 
+@pytest.mark.parametrize(("off", "matches"), [(1.0, True), (-1.0, True), (2.0, True),
+                                              (0.5, None), (1.02, None), (3.0, None)])
+def test_process_matches_through_a_boot_time_step(monkeypatch: pytest.MonkeyPatch, off: float,
+                                                  matches: bool | None) -> None:
+    """/proc/stat's btime moves by whole seconds on a slewed clock (what psutil adds to a
+    start): the same process then reads a second or two off, never a fraction of one."""
+    me = psutil.Process()
+    recorded = me.create_time()
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: recorded + off)
+    assert process_matches(me.pid, recorded) is matches
+
+
 def test_find_state_dir(tmp_path: Path) -> None:
     with pytest.raises(NotRunningError, match="nothing is running"):
         find_state_dir(tmp_path, None)

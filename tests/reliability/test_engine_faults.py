@@ -88,7 +88,7 @@ def wait_ready(probe: Probe, name: str, restarts: int) -> dict[str, Any]:
     """`name` restarted `restarts` times and ready again, and the proxy's /health is ok."""
     row = wait_for(lambda: (r := probe.status()[name])["state"] == "ready"
                    and r["restarts"] == restarts and r, RESTART_READY_S, 1.0)
-    assert row, probe.status()[name]
+    assert row, json.dumps(probe.status()[name])  # in full: the state is what tells
     assert wait_for(lambda: probe.health()[1].get("status") == "ok", 30), probe.health()
     return dict(row)
 

@@ -201,8 +201,9 @@ def check_exact(probe: Probe, answers: dict[int, Any]) -> None:
 
 def wait_ready(probe: Probe, restarts: dict[str, int]) -> None:
     for name, count in restarts.items():
-        assert wait_for(lambda n=name, c=count: (r := probe.status()[n])["state"] == "ready"
-                        and r["restarts"] == c, RESTART_READY_S, 1.0), probe.status()[name]
+        is_back = wait_for(lambda n=name, c=count: (r := probe.status()[n])["state"] == "ready"
+                           and r["restarts"] == c, RESTART_READY_S, 1.0)
+        assert is_back, json.dumps(probe.status()[name])  # in full: the state is what tells
     assert wait_for(lambda: probe.health()[1].get("status") == "ok", 60), probe.health()
 
 
