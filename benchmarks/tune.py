@@ -1,7 +1,8 @@
 """`epdctl tune` against an exhaustive sweep, on the simulated machine.
 
     .venv/bin/python benchmarks/tune.py [--models encode-heavy,decode-heavy,sharing-sensitive]
-        [--gpus 4,8] [--num-prompts 60] [--budget 20m] [--sweep N] [--out DIR]
+        [--gpus 4,8] [--num-prompts 60] [--point-seconds S] [--budget 20m] [--sweep N]
+        [--out DIR]
 
 For each cost model of examples/sim/ and each fake-GPU count: `epdctl tune` runs on the
 base, workload and SLO (its pick, predictions and wall time); then every candidate `tune`
@@ -45,8 +46,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SLO = {"encode-heavy": "ttft=3000,tpot=60", "decode-heavy": "ttft=3000,tpot=60",
        "sharing-sensitive": "ttft=3000,tpot=60"}
-LADDER = tuple(0.5 * 2 ** (k / 2) for k in range(15))
-"""req/s, 0.5 to 64 by sqrt(2)."""
+LADDER = tuple(0.5 * 2 ** (k / 2) for k in range(19))
+"""req/s, 0.5 to 256 by sqrt(2)."""
+REFERENCE_GPUS = 4
+"""A cost model's time_scale is for this many GPUs; on more, every wait is as many times
+longer (_scaled), so that the best candidates' knees stay where 4 GPUs put them, within what
+two cores of proxy and load generator carry (~0.5-1 ms of CPU a streamed token)."""
 SEARCH = (math.inf, *LADDER, *LADDER[::-1])
 """The sweep's load points in the order they may run: all at once, the ladder up, the ladder
 down (_sweep_one runs those it needs)."""
@@ -81,6 +86,20 @@ def agg_call_right(sweep: dict[str, tuple[str, float]], pick_kind: str) -> bool:
     """Whether tune's pick is aggregated exactly when the sweep's best is."""
     best = max(sweep.values(), key=lambda kv: kv[1])
     return (best[0] == "aggregated") == (pick_kind == "aggregated")
+
+
+def _scaled(cost: Path, gpus: int, run_dir: Path) -> Path:
+    """The cost model as the run uses it: time_scale x gpus / REFERENCE_GPUS (from 4 GPUs
+    up; the file itself on fewer)."""
+    import yaml
+
+    if gpus <= REFERENCE_GPUS:
+        return cost
+    data = yaml.safe_load(cost.read_text())
+    data["time_scale"] = float(data.get("time_scale", 1.0)) * gpus / REFERENCE_GPUS
+    path = run_dir / cost.name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
 
 
 def _base(tmp: Path, cost: Path) -> Path:
@@ -136,9 +155,10 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
     from epdctl.tune.candidates import candidates, limits_for, request_tokens
     from epdctl.tune.facts import from_file
 
-    cost = ROOT / "examples" / "sim" / f"{model}.yaml"
     run_dir = out / f"{model}-{gpus}"
     run_dir.mkdir(parents=True, exist_ok=True)
+    _same_settings(run_dir, args)
+    cost = _scaled(ROOT / "examples" / "sim" / f"{model}.yaml", gpus, run_dir)
     os.environ["EPDCTL_FAKE_GPUS"] = str(gpus)
     os.environ.pop("EPDCTL_PROXY_COMMAND", None)
     from epdctl.tune.live import use_sim_bench_command
@@ -147,7 +167,8 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
     base_path = _base(run_dir, cost)
     base = load_topology(base_path)
     facts = from_file(cost)
-    workload = Workload(points=(LoadPoint(),), num_prompts=args.num_prompts, images=1,
+    workload = Workload(points=(LoadPoint(),), num_prompts=args.num_prompts,
+                        point_seconds=args.point_seconds, images=1,
                         image_size=(512, 512), input_len=64, output_len=32,
                         slo=parse_slo(SLO[model]))
     tokens = request_tokens(facts, 1, (512, 512), 64, 32)
@@ -181,6 +202,18 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
             "agg_call": agg_call_right(sweep, pick["kind"])}
 
 
+def _same_settings(run_dir: Path, args: argparse.Namespace) -> None:
+    """A resumed run goes on only with the workload it began with (settings.json)."""
+    settings = {"num_prompts": args.num_prompts, "point_seconds": args.point_seconds,
+                "budget": args.budget, "ladder_top": LADDER[-1],
+                "reference_gpus": REFERENCE_GPUS}
+    path = run_dir / "settings.json"
+    if path.exists() and (before := json.loads(path.read_text())) != settings:
+        raise SystemExit(f"{run_dir} was begun with {before}, not {settings}: "
+                         "another --out, or the same options")
+    path.write_text(json.dumps(settings))
+
+
 def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
            args: argparse.Namespace) -> tuple[dict[str, Any], float]:
     """`epdctl tune`'s --json document and wall time; kept in tune.json, so that a rerun of
@@ -196,7 +229,8 @@ def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
         [sys.executable, "-m", "epdctl", "--state-dir", str(run_dir / "state"), "tune",
          str(base_path), "--gpus", ",".join(map(str, range(gpus))), "--slo", SLO[model],
          "--images", "1", "--image-size", "512x512", "--input-len", "64", "--output-len", "32",
-         "--num-prompts", str(args.num_prompts), "--budget", args.budget, "--model-facts",
+         "--num-prompts", str(args.num_prompts), "--point-seconds", str(args.point_seconds),
+         "--budget", args.budget, "--model-facts",
          str(cost), "--out", str(run_dir / "tune"), "--json"],
         capture_output=True, text=True, check=False)
     tune_s = time.monotonic() - started
@@ -254,6 +288,8 @@ def main() -> None:
     parser.add_argument("--models", default="encode-heavy,decode-heavy,sharing-sensitive")
     parser.add_argument("--gpus", default="4,8")
     parser.add_argument("--num-prompts", type=int, default=60)
+    parser.add_argument("--point-seconds", type=float, default=10.0,
+                        help="a rate point sends at least rate x S requests (tune and sweep)")
     parser.add_argument("--budget", default="20m")
     parser.add_argument("--sweep", type=int, default=0,
                         help="candidates swept per run (0: every one)")

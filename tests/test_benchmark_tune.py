@@ -50,7 +50,7 @@ def _search(most: float, holds_up_to: float) -> list[float]:
     (11.0, 40.0, [math.inf, 5.657, 8.0, 11.314, 16.0, 22.627, 32.0, 45.255]),  # up, a burst
     (11.0, 6.0, [math.inf, 5.657, 8.0]),  # up: the first miss brackets it
     (12.0, 1.5, [math.inf, 8.0, 5.657, 4.0, 2.828, 2.0, 1.414]),  # the first missed: down
-    (200.0, 1000.0, [math.inf, 64.0]),  # every rate holds: the ladder's top
+    (200.0, 1000.0, [math.inf, 128.0, 181.019, 256.0]),  # every rate holds: the top
     (1.0, 0.1, [math.inf, 0.5]),  # even the lowest misses: nothing lower to try
     (6.0, 0.0, [math.inf, 4.0, 2.828, 2.0, 1.414]),  # no request holds even at X/4: stop
 ])
@@ -80,3 +80,25 @@ def test_a_rerun_keeps_the_tune_it_is_measured_against(tmp_path: Path) -> None:
     # No tune runs (its arguments would fail): the kept one comes back.
     assert bench_tune._tuned(tmp_path, tmp_path / "none.yaml", "encode-heavy", 4,
                              tmp_path / "none.yaml", None) == (doc, 368.0)
+
+
+def test_more_gpus_than_four_run_the_cost_model_slower(tmp_path: Path) -> None:
+    import yaml
+
+    cost = tmp_path / "encode-heavy.yaml"
+    cost.write_text("time_scale: 4\ngpu: {memory: 80GiB}\n")
+    assert bench_tune._scaled(cost, 4, tmp_path / "run") == cost
+    (tmp_path / "run").mkdir()
+    scaled = bench_tune._scaled(cost, 8, tmp_path / "run")
+    assert yaml.safe_load(scaled.read_text()) == {"time_scale": 8.0, "gpu": {"memory": "80GiB"}}
+
+
+def test_a_resumed_run_keeps_its_settings(tmp_path: Path) -> None:
+    import argparse
+
+    args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m")
+    bench_tune._same_settings(tmp_path, args)
+    bench_tune._same_settings(tmp_path, args)  # the same: goes on
+    with pytest.raises(SystemExit, match="was begun with"):
+        bench_tune._same_settings(tmp_path, argparse.Namespace(**{**vars(args),
+                                                                  "point_seconds": 0.0}))

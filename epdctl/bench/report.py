@@ -285,5 +285,9 @@ def _workload_line(w: Mapping[str, Any]) -> str:
     if not w["dataset"] and w.get("audios"):
         what = f"{w['kind']}, {w['audios']} clip(s) of generated audio"
     slo = ", ".join(f"{k} {v:g} ms" for k, v in w["slo_ms"].items()) or "none"
-    return (f"{what}, {w['num_prompts']} requests per point, input {w['input_len']} / output "
-            f"{w['output_len']} tokens, repeat {w['repeat']:g}, seed {w['seed']}, SLO {slo}")
+    count = f"{w['num_prompts']} requests per point"
+    if w.get("point_seconds"):  # a report of an older epdctl has none
+        count = (f"{w['num_prompts']} requests per point or a rate's {w['point_seconds']:g} s "
+                 "of them if more")
+    return (f"{what}, {count}, input {w['input_len']} / output {w['output_len']} tokens, "
+            f"repeat {w['repeat']:g}, seed {w['seed']}, SLO {slo}")

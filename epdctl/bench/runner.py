@@ -185,7 +185,7 @@ def _datasets(workload: Workload, work_dir: Path, progress: Progress, round_: in
         path.parent.mkdir(parents=True, exist_ok=True)
         if workload.kind == "audio":
             counts = write_audio_dataset(workload, workload.seed_at(index, round_),
-                                         workload.num_prompts, path)
+                                         workload.requests_at(index), path)
             progress.line(f"dataset {path}: {counts['audios']} audio clips")
         else:
             counts = write_dataset(workload, index, path, round_)
@@ -266,13 +266,13 @@ def _warm_up(arm: Arm, workload: Workload, state: RunState, work_dir: Path, coun
 
 
 def _estimate(workload: Workload, index: int, earlier: Sequence[ArmRun]) -> float | None:
-    """What the point took last (any arm, any round), else num_prompts / rate (None:
+    """What the point took last (any arm, any round), else its requests / rate (None:
     unknown)."""
     done = [p for run in earlier for p in run.points if p.index == index]
     if done:
         return sorted(done, key=lambda p: p.seq)[-1].elapsed_s
     rate = workload.points[index].request_rate
-    return None if math.isinf(rate) else workload.num_prompts / rate
+    return None if math.isinf(rate) else workload.requests_at(index) / rate
 
 
 def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_dir: Path,
@@ -291,7 +291,7 @@ def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_d
     estimate = _estimate(workload, index, earlier)
     what = (f"  {arm.name}: load point {index + 1}/{len(workload.points)} ({point.label})"
             + (f", round {round_ + 1}" if round_ else ""))
-    progress.line(f"{what}, {workload.num_prompts} requests")
+    progress.line(f"{what}, {workload.requests_at(index)} requests")
     proxy_before = proxy_counters(state)
     store_before = _store(ns_dir)
     start = time.monotonic()

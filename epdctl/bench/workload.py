@@ -62,6 +62,10 @@ class Workload:
 
     points: tuple[LoadPoint, ...]
     num_prompts: int = 100
+    point_seconds: float = 0.0
+    """A request-rate point sends at least its rate times this many requests (0: num_prompts
+    at every load): at a high rate num_prompts alone arrive in a moment, a burst that queues
+    absorb within the SLO however little the topology sustains."""
     seed: int = 0
     images: int = 1
     """Images per request (random-mm and the generated dataset)."""
@@ -92,6 +96,14 @@ class Workload:
             return "audio"
         return "generated" if self.repeat > 0 else "random-mm"
 
+    def requests_at(self, index: int) -> int:
+        """Requests load point `index` sends: num_prompts, or its rate x point_seconds when
+        that is more (a concurrency or all-at-once point: num_prompts)."""
+        rate = self.points[index].request_rate
+        if not self.point_seconds or math.isinf(rate):
+            return self.num_prompts
+        return max(self.num_prompts, math.ceil(rate * self.point_seconds))
+
     def seed_at(self, index: int, round_: int = 0) -> int:
         """Each load point (and each round of it) its own requests, or later points would
         meet earlier points' prefix and encoder caches; every arm gets the same ones."""
@@ -103,14 +115,17 @@ class Workload:
         return (self.seed + 1_000_000 * len(self.points)) % 2**32
 
     def as_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_prompts": self.num_prompts, "seed": self.seed,
+        return {"kind": self.kind, "num_prompts": self.num_prompts,
+                "point_seconds": self.point_seconds, "seed": self.seed,
                 "images": self.images, "image_size": list(self.image_size),
                 "input_len": self.input_len, "output_len": self.output_len,
                 "videos": self.videos, "video_frames": self.video_frames,
                 "audios": self.audios, "repeat": self.repeat,
                 "dataset": str(self.dataset) if self.dataset else None,
                 "dataset_name": self.dataset_name if self.dataset else None,
-                "slo_ms": dict(self.slo), "points": [p.as_json() for p in self.points]}
+                "slo_ms": dict(self.slo),
+                "points": [{**p.as_json(), "requests": self.requests_at(i)}
+                           for i, p in enumerate(self.points)]}
 
 
 def parse_list(text: str | None, what: str, kind: type) -> list[Any]:
@@ -240,7 +255,7 @@ def argv(command: Sequence[str], workload: Workload, index: int, *, url: str, mo
     point = workload.points[index]
     rate = "inf" if math.isinf(point.request_rate) else f"{point.request_rate:g}"
     count, seed = (warmup, workload.warmup_seed()) if warmup else (
-        workload.num_prompts, workload.seed_at(index, round_))
+        workload.requests_at(index), workload.seed_at(index, round_))
     args = [*command, "--backend", "openai-chat", "--base-url", url,
             "--endpoint", "/v1/chat/completions", "--model", model,
             "--served-model-name", served_model_name,
@@ -340,13 +355,14 @@ def write_dataset(workload: Workload, index: int, path: Path, round_: int = 0
     seed = workload.seed_at(index, round_)
     rng = random.Random(seed)
     width, height = workload.image_size
-    total = workload.num_prompts * workload.images
+    requests = workload.requests_at(index)
+    total = requests * workload.images
     wanted = min(round(workload.repeat * total), max(total - 1, 0))
     repeats_at = set(rng.sample(range(1, total), wanted)) if wanted else set()
     pool: list[str] = []
     repeated = 0
     lines = []
-    for request in range(workload.num_prompts):
+    for request in range(requests):
         urls: list[str] = []
         for item in range(workload.images):
             earlier = [u for u in pool if u not in urls]
@@ -361,6 +377,6 @@ def write_dataset(workload: Workload, index: int, path: Path, round_: int = 0
         lines.append(json.dumps({"prompt": f"{request}: {words}", "image_files": urls}))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
-    return {"requests": workload.num_prompts, "images": total, "distinct_images": len(pool),
+    return {"requests": requests, "images": total, "distinct_images": len(pool),
             "repeated_images": repeated}
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from epdctl.cli._app import App, pass_app
+from epdctl.cli._options import point_seconds_option
 from epdctl.cli.bench_compare import BenchCommand
 from epdctl.readiness import STARTUP_TIMEOUT_S
 
@@ -43,7 +44,8 @@ def _workload(opts: dict[str, Any]) -> Workload:
         raise BenchError(f"--dataset {dataset}: no such file")
     points = load_points(parse_list(opts["rates"], "--request-rate", float),
                          parse_list(opts["concurrency"], "--max-concurrency", int))
-    return Workload(points=points, num_prompts=opts["num_prompts"], seed=opts["seed"],
+    return Workload(points=points, num_prompts=opts["num_prompts"],
+                    point_seconds=opts["point_seconds"], seed=opts["seed"],
                     images=opts["images"], image_size=parse_image_size(opts["image_size"]),
                     input_len=opts["input_len"], output_len=opts["output_len"], repeat=repeat,
                     videos=opts["videos"], video_frames=opts["video_frames"],
@@ -87,6 +89,7 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
               help="Requests in flight at most, e.g. 1,4,16 (default when neither is given).")
 @click.option("--num-prompts", type=click.IntRange(1), default=100, show_default=True,
               help="Requests per load point.")
+@point_seconds_option
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the requests (load point i uses seed + i).")
 @click.option("--images", type=click.IntRange(0), default=1, show_default=True,

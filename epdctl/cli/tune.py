@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from epdctl.cli._app import App, pass_app
+from epdctl.cli._options import point_seconds_option
 from epdctl.readiness import STARTUP_TIMEOUT_S
 from epdctl.tune.search import KNEE_FACTORS, KNEE_STEP, KNEE_STEPS
 
@@ -40,6 +41,7 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
               help="The SLO goodput counts: requests within it.")
 @click.option("--num-prompts", type=click.IntRange(1), default=100, show_default=True,
               help="Requests per confirmation load point.")
+@point_seconds_option
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the requests.")
 @click.option("--images", type=click.IntRange(0), default=1, show_default=True,
               help="Images per request.")
@@ -100,7 +102,8 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     except ValueError as exc:
         raise BenchError(f"--budget: {exc}") from None
     workload = Workload(points=(LoadPoint(),), num_prompts=opts["num_prompts"],
-                        seed=opts["seed"], images=opts["images"],
+                        point_seconds=opts["point_seconds"], seed=opts["seed"],
+                        images=opts["images"],
                         image_size=parse_image_size(opts["image_size"]),
                         input_len=opts["input_len"], output_len=opts["output_len"], slo=pairs)
     facts = model_facts(base.model, facts_file)

@@ -14,6 +14,8 @@ from epdctl.tune.des import Instance, Job, Sim, StepCost, least_outstanding
 
 ATTAINMENT = 0.9
 """Share of requests that must meet the SLO."""
+MAX_SIM_REQUESTS = 4000
+"""The most requests one simulated run sends (a point's seconds at a high rate)."""
 
 
 def stage_key(role: str, tp: int, encodes: bool = False) -> str:
@@ -225,12 +227,23 @@ class Prediction:
             if self.utilization else ""
 
 
+def sim_requests(rate: float, requests: int, seconds: float) -> int:
+    """Requests a simulated run at `rate` sends: `requests`, or `seconds` of the rate's when
+    more (what a bench point with --point-seconds sends), at most MAX_SIM_REQUESTS."""
+    if not seconds:
+        return requests
+    return max(requests, min(MAX_SIM_REQUESTS, math.ceil(rate * seconds)))
+
+
 def predict(shape: Shape, profile: Profile, req: RequestShape, slo: Slo, *,
-            requests: int = 300, seed: int = 0, iterations: int = 14) -> Prediction:
+            requests: int = 300, seconds: float = 0.0, seed: int = 0,
+            iterations: int = 14) -> Prediction:
     """The highest Poisson rate whose simulated run meets `slo` for >= ATTAINMENT of its
-    requests (doubling, then bisection; the same arrivals scaled, so the runs compare)."""
+    requests (doubling, then bisection; the same arrivals scaled, so the runs compare; a run
+    is `requests`, or `seconds` of arrivals when more: sim_requests)."""
     def ok(rate: float) -> tuple[bool, Outcome]:
-        outcome = simulate(shape, profile, req, rate=rate, requests=requests, seed=seed)
+        outcome = simulate(shape, profile, req, rate=rate, seed=seed,
+                           requests=sim_requests(rate, requests, seconds))
         return outcome.attainment(slo) >= ATTAINMENT, outcome
 
     low, high = 0.0, 0.5
@@ -250,7 +263,8 @@ def predict(shape: Shape, profile: Profile, req: RequestShape, slo: Slo, *,
         else:
             high = mid
     if best is None:
-        best = simulate(shape, profile, req, rate=max(low, 1e-3), requests=requests, seed=seed)
+        best = simulate(shape, profile, req, rate=max(low, 1e-3), requests=requests,
+                        seed=seed)
 
     def pcts(values: str) -> dict[str, float]:
         return {f"p{q}": round(best.percentile(values, q) * 1000, 3) for q in (50, 90, 99)}

@@ -165,7 +165,8 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         row.missing = profile.missing(row.candidate.shape)
         if not row.missing:
             row.prediction = predict(row.candidate.shape, profile, req, settings.slo,
-                                     requests=settings.sim_requests)
+                                     requests=settings.sim_requests,
+                                     seconds=w.point_seconds)
     ranked = sorted((r for r in rows if r.prediction), key=lambda r: -r.prediction.goodput
                     if r.prediction else 0.0)
     progress.line(f"predicted {len(ranked)}; best {ranked[0].candidate.name} "

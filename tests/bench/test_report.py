@@ -197,3 +197,13 @@ def test_an_arm_that_logs_requests_is_noted() -> None:
     assert report.notes(runs) == ["`l` logs every request (engine.log_requests) and `epd` "
                                   "does not: its cost is in the figures of that arm"]
     assert report.notes(runs[:1]) == []
+
+
+def test_the_workload_line_says_how_many_requests_a_point_sends() -> None:
+    d = doc([figures(4.0, 100.0)] * 2, [figures(2.0, 200.0)] * 2)
+    assert "100 requests per point, input" in report.markdown(d)
+    d["workload"] = {**d["workload"], "point_seconds": 20.0}
+    assert "100 requests per point or a rate's 20 s of them if more, input" in (
+        report.markdown(d))
+    del d["workload"]["point_seconds"]  # a report.json of an epdctl before the option
+    assert "100 requests per point, input" in report.markdown(d)

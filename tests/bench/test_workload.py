@@ -225,3 +225,25 @@ def test_more_videos_than_an_arm_takes_is_refused() -> None:
     with pytest.raises(BenchError, match=r"2 video\(s\) per request; `epd` accepts at most 1"):
         check(arms, Workload(points=(LoadPoint(),), videos=2))
     check(arms, Workload(points=(LoadPoint(),), images=2, videos=1))
+
+
+def test_point_seconds_sends_a_rates_seconds_of_requests(tmp_path: Path) -> None:
+    """--point-seconds: a rate point sends max(num_prompts, rate x S), in the argv, the
+    generated dataset and the report's JSON; all-at-once and concurrency points keep
+    num_prompts."""
+    points = (LoadPoint(2.0), LoadPoint(50.0), LoadPoint(math.inf), LoadPoint(math.inf, 4))
+    w = Workload(points=points, num_prompts=30, point_seconds=10, repeat=0.5,
+                 image_size=(8, 8), input_len=4)
+    assert [w.requests_at(i) for i in range(4)] == [30, 500, 30, 30]
+    off = Workload(points=points, num_prompts=30)
+    assert [off.requests_at(i) for i in range(4)] == [30, 30, 30, 30]
+    args = argv(["vllm", "bench", "serve"], w, 1, url="http://127.0.0.1:9", model="org/vl",
+                served_model_name="vl", result_dir=tmp_path, result_name="x.json",
+                dataset=tmp_path / "d.jsonl")
+    assert args[args.index("--num-prompts") + 1] == "500"
+    counts = write_dataset(w, 1, tmp_path / "d.jsonl")
+    assert counts["requests"] == 500
+    assert len((tmp_path / "d.jsonl").read_text().splitlines()) == 500
+    doc = w.as_json()
+    assert doc["point_seconds"] == 10
+    assert [p["requests"] for p in doc["points"]] == [30, 500, 30, 30]

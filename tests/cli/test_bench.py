@@ -255,6 +255,19 @@ def test_dry_run_prints_plans_and_commands(bench: Bench, fake_topology: Callable
     assert list(state_root.iterdir()) == []
 
 
+def test_point_seconds_sets_a_rate_points_request_count(
+        bench: Bench, fake_topology: Callable[..., Path], state_root: Path) -> None:
+    result = bench(str(fake_topology()), "--request-rate", "1,40", "--num-prompts", "20",
+                   "--point-seconds", "5", "--dry-run")
+    assert result.exit_code == 0, result.output
+    counts = [line.split("--num-prompts ")[1].split()[0] for line in result.stdout.splitlines()
+              if "--num-prompts" in line and "--request-rate" in line]
+    assert counts == ["20", "200"] * 2  # 1 req/s: num_prompts; 40 req/s: 5 s of them
+    assert list(state_root.iterdir()) == []
+    result = bench(str(fake_topology()), "--point-seconds", "-1")
+    assert result.exit_code == 2 and "--point-seconds" in result.stderr
+
+
 def test_without_matplotlib_everything_but_the_plot_is_written(
         bench: Bench, fake_topology: Callable[..., Path], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import Result
@@ -48,6 +49,26 @@ def test_bad_input_is_one_line(epdctl: Callable[..., Result], tmp_path: Path, ar
     assert message in result.output and "Traceback" not in result.output
 
 
+def test_point_seconds_reaches_the_model_and_the_confirmations(
+        epdctl: Callable[..., Result], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--point-seconds is the workload's: the model simulates as many requests as a point
+    sends (tune.model.sim_requests), and each confirmation's points send them."""
+    seen = {}
+
+    def run_tune(settings: Any, profiler: Any, confirmer: Any, progress: Any) -> None:
+        seen["settings"], seen["confirmer"] = settings, confirmer
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("epdctl.tune.runner.tune", run_tune)
+    result = epdctl("tune", str(_base(tmp_path)), "--slo", "ttft=500", "--num-prompts", "8",
+                    "--point-seconds", "2.5", "--out", str(tmp_path / "out"),
+                    env={"EPDCTL_FAKE_GPUS": "1"})
+    assert result.exit_code == 130, result.output
+    assert seen["settings"].workload.point_seconds == 2.5
+    workload = seen["confirmer"].workload
+    assert (workload.num_prompts, workload.point_seconds) == (8, 2.5)
+
+
 @pytest.mark.slow  # ~35 s on a loaded 2-core machine: four topologies up and down
 @pytest.mark.timeout(300)
 def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> None:
@@ -73,3 +94,4 @@ def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> 
     assert set(json.loads((out / "profiles.json").read_text())["entries"]) == {"1E~1PD", "1PD"}
     assert (out / "confirmed.json").is_file()
     assert load_topology(best).name == doc["best"]
+

@@ -6,7 +6,16 @@ import pytest
 
 from epdctl.tune.candidates import Pool, Shape
 from epdctl.tune.des import Instance, Job, Sim, StepCost
-from epdctl.tune.model import Profile, RequestShape, Slo, predict, simulate, stage_key
+from epdctl.tune.model import (
+    MAX_SIM_REQUESTS,
+    Profile,
+    RequestShape,
+    Slo,
+    predict,
+    sim_requests,
+    simulate,
+    stage_key,
+)
 
 FREE = StepCost()  # a stage that takes no time
 E_PD = Shape("e-pd", 1, pd=Pool(1, 1))
@@ -94,3 +103,18 @@ def test_epd_hand_off_and_sharing() -> None:
     shared = Shape("epd", 1, True, prefill=Pool(1, 1), decode=Pool(1, 1))
     assert Profile(stages).missing(shared) == []
     assert Profile({}).missing(E_PD) == ["encode", "pd-tp1"]
+
+
+def test_a_run_of_few_requests_overstates_the_knee_and_seconds_of_arrivals_do_not() -> None:
+    """E takes 100 ms an image, one at a time: it sustains 10 req/s. 20 requests at 20 req/s
+    are a burst gone within the 1 s TTFT; a minute of arrivals at the rate finds the knee
+    below 10 req/s, as a queue at steady state must."""
+    encode = StepCost(per_image_ms=100.0, max_images=1)
+    profile = Profile({"encode": encode, stage_key("prefill_decode", 1): FREE})
+    req, slo = RequestShape(1, 10, 1), Slo(ttft_ms=1000)
+    burst = predict(E_PD, profile, req, slo, requests=20)
+    steady = predict(E_PD, profile, req, slo, requests=20, seconds=60)
+    assert burst.goodput > 15
+    assert 7 < steady.goodput < 10
+    assert sim_requests(9.5, 20, 60) == 570 and sim_requests(9.5, 20, 0) == 20
+    assert sim_requests(1e6, 20, 60) == MAX_SIM_REQUESTS and sim_requests(0.1, 20, 60) == 20
