@@ -233,7 +233,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
               f"{', '.join(doc.get('devices') or ['-'])}",
               "- arms: " + "; ".join(f"`{a['name']}` = {a['topology']} ({a['mode']}, "
                                        f"{a['hash']})" for a in doc["arms"]),
-              f"- workload: {_workload_line(doc['workload'])}",
+              f"- workload: {workload_line(doc['workload'])}",
               f"- {order_line(doc)}", *(f"- note: {n}" for n in doc.get("notes") or []), "",
               method_line(doc), ""]
     lines.append("| " + " | ".join(rows[0]) + " |")
@@ -279,7 +279,8 @@ def method_line(doc: Mapping[str, Any]) -> str:
             "outside 5 % of 1.")
 
 
-def _workload_line(w: Mapping[str, Any]) -> str:
+def workload_line(w: Mapping[str, Any]) -> str:
+    """A workload's JSON (Workload.as_json) in one line (bench's and tune's reports)."""
     what = w["dataset"] or (f"{w['kind']}, {w['images']} image(s) of "
                             f"{w['image_size'][0]}x{w['image_size'][1]}")
     if not w["dataset"] and w.get("audios"):

@@ -63,8 +63,12 @@ def markdown(doc: Mapping[str, Any]) -> str:
              f"Best measured: `{doc.get('best') or '-'}` "
              f"({_num(doc.get('best_goodput'))} req/s)"
              + (f", since {doc['best_reason']}" if doc.get("best_reason") else "")
-             + f". Stopped: {doc['stop_reason']}.", "",
-             "| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+             + f". Stopped: {doc['stop_reason']}.", ""]
+    if doc.get("workload"):  # a report of an older epdctl has none
+        from epdctl.bench.report import workload_line
+
+        lines += [f"Workload: {workload_line(doc['workload'])}.", ""]
+    lines += ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
     lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
     if doc.get("not_confirmed"):
         lines += ["", "Not confirmed: " + ", ".join(f"`{n}`" for n in doc["not_confirmed"])]

@@ -232,6 +232,7 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         "best": best.name if best else None,
         "best_goodput": best.goodput if best else None,
         "best_reason": why,
+        "workload": {k: v for k, v in w.as_json().items() if k != "points"},
         "elapsed_s": round(clock() - started, 1),
         "profile": {k: asdict(v) for k, v in profile.stages.items()},
     }

@@ -214,3 +214,17 @@ def test_a_disaggregated_candidate_not_decided_better_than_aggregated_is_not_rec
     from epdctl.cli._tune_render import markdown
 
     assert "the simpler topology" in markdown(report)
+
+
+def test_the_report_names_its_workload(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from epdctl.cli._tune_render import markdown
+
+    s = settings(tmp_path)
+    s = replace(s, workload=replace(s.workload, point_seconds=10.0))
+    report = tune(s, profiler_calls([]), lambda c, knee: Measured(c.name, knee),
+                  Log(), Clock())
+    assert report["workload"]["point_seconds"] == 10.0 and "points" not in report["workload"]
+    assert f"{s.workload.num_prompts} requests per point or a rate's 10 s of them if more" \
+        in markdown(report)
