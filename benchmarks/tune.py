@@ -203,10 +203,10 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
 
 
 def _same_settings(run_dir: Path, args: argparse.Namespace) -> None:
-    """A resumed run goes on only with the workload it began with (settings.json)."""
+    """A resumed run goes on only with the workload it began with (settings.json); another
+    --budget re-runs tune only (_tuned), the sweep does not depend on it."""
     settings = {"num_prompts": args.num_prompts, "point_seconds": args.point_seconds,
-                "budget": args.budget, "ladder_top": LADDER[-1],
-                "reference_gpus": REFERENCE_GPUS}
+                "ladder_top": LADDER[-1], "reference_gpus": REFERENCE_GPUS}
     path = run_dir / "settings.json"
     if path.exists() and (before := json.loads(path.read_text())) != settings:
         raise SystemExit(f"{run_dir} was begun with {before}, not {settings}: "
@@ -217,13 +217,17 @@ def _same_settings(run_dir: Path, args: argparse.Namespace) -> None:
 def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
            args: argparse.Namespace) -> tuple[dict[str, Any], float]:
     """`epdctl tune`'s --json document and wall time; kept in tune.json, so that a rerun of
-    an interrupted sweep (the same --out) keeps the tune it is measured against."""
+    an interrupted sweep (the same --out) keeps the tune it is measured against; one of
+    another --budget is made again (in tune/ afresh)."""
+    import shutil
     import subprocess
 
     kept = run_dir / "tune.json"
     if kept.exists():
         saved = json.loads(kept.read_text())
-        return saved["doc"], saved["tune_s"]
+        if saved.get("budget", args.budget) == args.budget:
+            return saved["doc"], saved["tune_s"]
+        shutil.rmtree(run_dir / "tune", ignore_errors=True)
     started = time.monotonic()
     tuned = subprocess.run(
         [sys.executable, "-m", "epdctl", "--state-dir", str(run_dir / "state"), "tune",
@@ -238,7 +242,7 @@ def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
     if tuned.returncode != 0:
         raise SystemExit(f"tune failed on {model} x {gpus}: {tuned.stderr[-2000:]}")
     doc = json.loads(tuned.stdout)
-    kept.write_text(json.dumps({"doc": doc, "tune_s": tune_s}))
+    kept.write_text(json.dumps({"doc": doc, "tune_s": tune_s, "budget": args.budget}))
     return doc, tune_s
 
 

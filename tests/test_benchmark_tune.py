@@ -78,8 +78,19 @@ def test_a_rerun_keeps_the_tune_it_is_measured_against(tmp_path: Path) -> None:
     doc = {"best": "sim-4pd", "candidates": []}
     (tmp_path / "tune.json").write_text(json.dumps({"doc": doc, "tune_s": 368.0}))
     # No tune runs (its arguments would fail): the kept one comes back.
+    import argparse
+
+    args = argparse.Namespace(budget="15m", num_prompts=60, point_seconds=10.0)
     assert bench_tune._tuned(tmp_path, tmp_path / "none.yaml", "encode-heavy", 4,
-                             tmp_path / "none.yaml", None) == (doc, 368.0)
+                             tmp_path / "none.yaml", args) == (doc, 368.0)
+    (tmp_path / "tune.json").write_text(json.dumps({"doc": doc, "tune_s": 368.0,
+                                                    "budget": "15m"}))
+    (tmp_path / "tune").mkdir()
+    args.budget = "30m"  # another budget: tune runs again, afresh (and fails on none.yaml)
+    with pytest.raises(SystemExit, match="tune failed"):
+        bench_tune._tuned(tmp_path, tmp_path / "none.yaml", "encode-heavy", 4,
+                          tmp_path / "none.yaml", args)
+    assert not (tmp_path / "tune").exists()
 
 
 def test_more_gpus_than_four_run_the_cost_model_slower(tmp_path: Path) -> None:
@@ -97,6 +108,8 @@ def test_a_resumed_run_keeps_its_settings(tmp_path: Path) -> None:
     import argparse
 
     args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m")
+    bench_tune._same_settings(tmp_path, args)
+    args.budget = "30m"  # tune is made again for it; the sweep stands
     bench_tune._same_settings(tmp_path, args)
     bench_tune._same_settings(tmp_path, args)  # the same: goes on
     with pytest.raises(SystemExit, match="was begun with"):
