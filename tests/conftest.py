@@ -12,6 +12,24 @@ from click.testing import CliRunner, Result
 
 from tests.vllm_harness import free_ports
 
+
+@pytest.fixture(autouse=True)
+def _no_epdctl_env_left() -> Iterator[None]:
+    """A test leaves epdctl's environment as it found it: an in-process `tune` on fake GPUs
+    points EPDCTL_BENCH_COMMAND at the simulated load generator, and a later real-vLLM bench
+    (a subprocess given this environment) would run that instead of `vllm bench serve`."""
+    import os
+
+    before = {k: v for k, v in os.environ.items() if k.startswith("EPDCTL_")}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith("EPDCTL_")}
+    if after != before:
+        for key in after.keys() - before.keys():
+            del os.environ[key]
+        os.environ.update(before)
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        pytest.fail(f"the test left the environment changed: {changed}")
+
 FAKE_SERVER = Path(__file__).parent / "fake_server.py"
 FAKE_PROXY = shlex.join([sys.executable, str(FAKE_SERVER)])
 

@@ -62,7 +62,9 @@ def test_point_seconds_reaches_the_model_and_the_confirmations(
     monkeypatch.setattr("epdctl.tune.runner.tune", run_tune)
     result = epdctl("tune", str(_base(tmp_path)), "--slo", "ttft=500", "--num-prompts", "8",
                     "--point-seconds", "2.5", "--out", str(tmp_path / "out"),
-                    env={"EPDCTL_FAKE_GPUS": "1"})
+                    # set, so that the runner puts it back: tune points it at the simulated
+                    # load generator, which later tests' real vLLM benches must not inherit
+                    env={"EPDCTL_FAKE_GPUS": "1", "EPDCTL_BENCH_COMMAND": ""})
     assert result.exit_code == 130, result.output
     assert seen["settings"].workload.point_seconds == 2.5
     workload = seen["confirmer"].workload
