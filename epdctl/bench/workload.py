@@ -63,8 +63,8 @@ class Workload:
     points: tuple[LoadPoint, ...]
     num_prompts: int = 100
     point_seconds: float = 0.0
-    """A request-rate point sends at least its rate times this many requests (0: num_prompts
-    at every load): at a high rate num_prompts alone arrive in a moment, a burst that queues
+    """A request-rate point sends at least rate x point_seconds requests (0: num_prompts at
+    every load): at a high rate num_prompts alone arrive in a moment, a burst that queues
     absorb within the SLO however little the topology sustains."""
     seed: int = 0
     images: int = 1

@@ -263,8 +263,7 @@ def predict(shape: Shape, profile: Profile, req: RequestShape, slo: Slo, *,
         else:
             high = mid
     if best is None:
-        best = simulate(shape, profile, req, rate=max(low, 1e-3), requests=requests,
-                        seed=seed)
+        best = simulate(shape, profile, req, rate=max(low, 1e-3), requests=requests, seed=seed)
 
     def pcts(values: str) -> dict[str, float]:
         return {f"p{q}": round(best.percentile(values, q) * 1000, 3) for q in (50, 90, 99)}
