@@ -42,6 +42,9 @@ class LoadPoint:
 
     request_rate: float = math.inf
     max_concurrency: int | None = None
+    seed: int | None = None
+    """Its requests' seed in place of the workload's seed plus its index (tune: a rate's
+    own, so that every candidate meets the same arrivals at the same rate)."""
 
     @property
     def label(self) -> str:
@@ -52,8 +55,9 @@ class LoadPoint:
 
     def as_json(self) -> dict[str, Any]:
         rate = "inf" if math.isinf(self.request_rate) else self.request_rate
-        return {"label": self.label, "request_rate": rate,
-                "max_concurrency": self.max_concurrency}
+        out = {"label": self.label, "request_rate": rate,
+               "max_concurrency": self.max_concurrency}
+        return out if self.seed is None else {**out, "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,11 @@ class Workload:
 
     def seed_at(self, index: int, round_: int = 0) -> int:
         """Each load point (and each round of it) its own requests, or later points would
-        meet earlier points' prefix and encoder caches; every arm gets the same ones."""
-        return self.seed + round_ * len(self.points) + index
+        meet earlier points' prefix and encoder caches; every arm gets the same ones. A
+        point's own seed (LoadPoint.seed) stands for the workload's seed plus its index."""
+        own = self.points[index].seed
+        start = self.seed + index if own is None else own
+        return start + round_ * len(self.points)
 
     def warmup_seed(self) -> int:
         """The warm-up's requests: none of any round's (up to a million rounds); vLLM takes

@@ -20,7 +20,13 @@ from epdctl.tune.decide import Measured, attainment, knee, knee_rate
 from epdctl.tune.probes import Bodies, Measurements, profile_running
 from epdctl.tune.profile import LEVELS
 from epdctl.tune.runner import Progress
-from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS, bracketing, confirmation_rates
+from epdctl.tune.search import (
+    KNEE_FACTORS,
+    KNEE_STEPS,
+    bracketing,
+    confirmation_rates,
+    grid_seed,
+)
 
 if TYPE_CHECKING:
     from epdctl.bench.runner import PointRun
@@ -82,7 +88,8 @@ class LiveProfiler:
         self.bodies, self.tokens, self.timeout_s, self.levels = bodies, tokens, timeout_s, levels
 
     @unwinding()  # SIGTERM and SIGHUP too take the probe topology down
-    def __call__(self, shape: Shape, topology: Topology) -> Measurements:
+    def __call__(self, shape: Shape, topology: Topology, known: frozenset[str] = frozenset()
+                 ) -> Measurements:
         from epdctl.run import prepare, start_detached, stop
 
         path = write_topology(topology, self.out_dir / "probes" / f"{topology.name}.yaml")
@@ -90,7 +97,7 @@ class LiveProfiler:
         state = start_detached(run, self.timeout_s)
         try:
             return asyncio.run(profile_running(state, shape, self.bodies, self.tokens,
-                                               self.levels))
+                                               self.levels, known))
         finally:
             stop(run.sdir, run.sdir.read())
 
@@ -104,20 +111,26 @@ class LiveConfirmer:
         self.factors, self.steps = KNEE_FACTORS[points], steps
 
     def __call__(self, candidate: Candidate, predicted: float) -> Measured:
-        """Bench near the predicted knee (its KNEE_FACTORS times it), then further up or
-        down until the knee is bracketed (at most `steps` more points)."""
+        """Bench near the predicted knee (the grid rates KNEE_FACTORS steps from it), then
+        further up or down until the knee is bracketed (at most `steps` more points); each
+        grid rate with its own requests (grid_seed), the same for every candidate."""
         rates = confirmation_rates(predicted, self.factors, self.steps)
         return self.measure(candidate, rates,
-                            bracketing(rates, len(self.factors), self.steps))
+                            bracketing(rates, len(self.factors), self.steps),
+                            seeds=[grid_seed(r) for r in rates])
 
     def measure(self, candidate: Candidate, rates: Sequence[float],
-                wanted: Callable[[int, Sequence[PointRun]], bool] | None = None) -> Measured:
-        """Bench the candidate at these Poisson rates (one start; `wanted`: run_arms'); its
-        measured knee (over the finite rates)."""
+                wanted: Callable[[int, Sequence[PointRun]], bool] | None = None,
+                seeds: Sequence[int] | None = None) -> Measured:
+        """Bench the candidate at these Poisson rates (one start; `wanted`: run_arms';
+        `seeds`: each point's, else the workload's numbering); its measured knee (over the
+        finite rates)."""
         from epdctl.bench.arms import Arm, image_limit
         from epdctl.bench.runner import greedy_prompts, run_arms
 
-        workload = replace(self.workload, points=tuple(LoadPoint(r) for r in rates))
+        workload = replace(self.workload, points=tuple(
+            LoadPoint(r, seed=None if seeds is None else seeds[i])
+            for i, r in enumerate(rates)))
         path = write_topology(candidate.topology,
                               self.out_dir / "candidates" / f"{candidate.name}.yaml")
         arm = Arm(candidate.name, "extra", candidate.topology, path)

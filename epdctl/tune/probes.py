@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -157,59 +157,78 @@ class Measurements:
 
 
 async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens: int,
-                          levels: Sequence[int] = LEVELS) -> Measurements:
-    """Profile each instance of a running probe topology alone (one of each role)."""
+                          levels: Sequence[int] = LEVELS, known: Collection[str] = ()
+                          ) -> Measurements:
+    """Profile each instance of a running probe topology alone (one of each role), but for
+    the stage keys in `known` (an earlier probe profiled them: an E in front of every E|PD
+    and E|P|D probe is timed once, not in each)."""
     specs = {s.role: s for s in state.engines}
     http = Http({s.url: _headers(s) for s in state.engines})
     out = Measurements()
     try:
-        await _profile(http, specs, shape, bodies, tokens, levels, out)
+        await _profile(http, specs, shape, bodies, tokens, levels, out, frozenset(known))
     finally:
         await http.close()
     return out
 
 
 async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies: Bodies,
-                   tokens: int, levels: Sequence[int], out: Measurements) -> None:
+                   tokens: int, levels: Sequence[int], out: Measurements,
+                   known: frozenset[str]) -> None:
     send: Send = http.send
-    if "encode" in specs:
+    if "encode" in specs and "encode" not in known:
         e_url = specs["encode"].url
         cost, series = await profile_encode(send, e_url, bodies.encoder, levels)
         out.stages["encode"], out.series["encode"] = cost, series.as_json()
-    for role in ("prefill_decode",):
-        if role not in specs:
-            continue
-        spec = specs[role]
-        encodes = "encode" not in specs
-        key = stage_key(role, spec.tensor_parallel, encodes=encodes)
-        pre_send = send if encodes else _after_encoder(http, specs["encode"].url, bodies)
-        prefill, s1 = await profile_prefill(pre_send, spec.url, lambda n: bodies.chat(n, 1),
-                                            tokens, levels)
-        decode, s2 = await profile_decode(
-            pre_send, spec.url, lambda n: bodies.chat(10_000 + n, DECODE_TOKENS, True), levels)
-        out.stages[key] = combine(prefill, decode, _max_seqs(spec))
-        out.series[key] = {"prefill": s1.as_json(), "decode": s2.as_json()}
-        if shape.shared and not encodes:
-            alone = s2.values[-1]
-            loaded = await _beside_busy_encoder(
-                send, specs["encode"].url, bodies, pre_send, spec.url, s2.levels[-1])
-            out.sharing_slowdown = slowdown(alone, loaded)
-            out.series["sharing"] = {"alone_ms": alone * 1000, "loaded_ms": loaded * 1000}
+    if "prefill_decode" in specs:
+        await _profile_pd(http, specs, shape, bodies, tokens, levels, out, known)
     if "prefill" in specs and "decode" in specs:
         p, d = specs["prefill"], specs["decode"]
-        p_send = _after_encoder(http, specs["encode"].url, bodies) if "encode" in specs \
-            else send
-        prefill, s1 = await profile_prefill(p_send, p.url, lambda n: bodies.chat(n, 1),
-                                            tokens, levels)
-        out.stages[stage_key("prefill", p.tensor_parallel)] = prefill
+        p_key, d_key = stage_key("prefill", p.tensor_parallel), stage_key("decode",
+                                                                          d.tensor_parallel)
+        if p_key not in known:
+            p_send = _after_encoder(http, specs["encode"].url, bodies) \
+                if "encode" in specs else send
+            prefill, s1 = await profile_prefill(p_send, p.url, lambda n: bodies.chat(n, 1),
+                                                tokens, levels)
+            out.stages[p_key], out.series["prefill"] = prefill, s1.as_json()
+        if d_key in known:
+            return
         d_send = _after_prefill(http, p.url, specs["encode"].url if "encode" in specs else None)
         decode, s2 = await profile_decode(
             d_send, d.url, lambda n: bodies.chat(20_000 + n, DECODE_TOKENS, True), levels)
-        out.stages[stage_key("decode", d.tensor_parallel)] = replace_seqs(decode, _max_seqs(d))
-        out.series["prefill"], out.series["decode"] = s1.as_json(), s2.as_json()
+        out.stages[d_key] = replace_seqs(decode, _max_seqs(d))
+        out.series["decode"] = s2.as_json()
         one = await d_send(d.url, bodies.chat(30_000, DECODE_TOKENS, True))
         step = (decode.fixed_ms + decode.per_seq_ms) / 1000
         out.kv_ms = max((one.first - one.start - step) * 1000, 0.0)
+
+
+async def _profile_pd(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies: Bodies,
+                      tokens: int, levels: Sequence[int], out: Measurements,
+                      known: frozenset[str]) -> None:
+    """PD's prefill and decode (unless known), and beside a shared GPU's busy E how much
+    slower its decode gets (against its decode alone at the top level, timed again then)."""
+    spec = specs["prefill_decode"]
+    encodes = "encode" not in specs
+    key = stage_key("prefill_decode", spec.tensor_parallel, encodes=encodes)
+    send = http.send if encodes else _after_encoder(http, specs["encode"].url, bodies)
+    decode_body = lambda n: bodies.chat(10_000 + n, DECODE_TOKENS, True)  # noqa: E731
+    if key not in known:
+        prefill, s1 = await profile_prefill(send, spec.url, lambda n: bodies.chat(n, 1),
+                                            tokens, levels)
+        decode, s2 = await profile_decode(send, spec.url, decode_body, levels)
+        out.stages[key] = combine(prefill, decode, _max_seqs(spec))
+        out.series[key] = {"prefill": s1.as_json(), "decode": s2.as_json()}
+    if not shape.shared or encodes:
+        return
+    if key in known:
+        _, s2 = await profile_decode(send, spec.url, decode_body, levels[-1:])
+    alone = s2.values[-1]
+    loaded = await _beside_busy_encoder(http.send, specs["encode"].url, bodies, send, spec.url,
+                                        s2.levels[-1])
+    out.sharing_slowdown = slowdown(alone, loaded)
+    out.series["sharing"] = {"alone_ms": alone * 1000, "loaded_ms": loaded * 1000}
 
 
 async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, pd_send: Send,

@@ -30,8 +30,9 @@ class Progress(Protocol):
     def line(self, text: str) -> None: ...
 
 
-Profiler = Callable[[Shape, Topology], Measurements]
-"""Bring a probe topology up, profile it, take it down."""
+Profiler = Callable[[Shape, Topology, frozenset[str]], Measurements]
+"""Bring a probe topology up, profile it (but for the stage keys given: profiled already),
+take it down."""
 Confirmer = Callable[[Candidate, float], Measured]
 """Run bench on a candidate around a predicted knee (req/s); its measured goodput."""
 
@@ -105,9 +106,9 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
                     progress: Progress, base_placed: Callable[[Shape], Topology],
                     is_spent: Callable[[], bool] = lambda: False
                     ) -> tuple[Profile, list[str]]:
-    """Profile every probe shape not already in --out's profiles.json; merge into one. Once
-    `is_spent()`, the probes left are skipped: returned by label (the candidates that need
-    them go unpredicted)."""
+    """Profile every probe shape not already in --out's profiles.json (each told the stage
+    keys profiled before it, which it skips); merge into one. Once `is_spent()`, the probes
+    left are skipped: returned by label (the candidates that need them go unpredicted)."""
     path = settings.out_dir / PROFILES
     key = store_key(settings)
     store = _load(path, key)
@@ -120,7 +121,8 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
             skipped.append(shape.label)
             continue
         progress.line(f"profile {shape.label}: starting")
-        got = profiler(shape, base_placed(shape))
+        known = frozenset(k for e in store.values() for k in e.get("stages", {}))
+        got = profiler(shape, base_placed(shape), known)
         store[shape.label] = {"stages": {k: asdict(v) for k, v in got.stages.items()},
                               "series": got.series, "kv_ms": got.kv_ms,
                               "sharing_slowdown": got.sharing_slowdown}

@@ -11,25 +11,56 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from epdctl.bench.runner import PointRun
 
-KNEE_FACTORS = {1: (1.0,), 2: (0.8, 1.25), 3: (0.5, 1.0, 1.25), 4: (0.5, 0.8, 1.0, 1.25)}
-"""Load points of a confirmation run, as multiples of the predicted knee, by their count
-(`--confirm-points`: fewer is faster, the knee coarser)."""
+GRID_STEP = 2 ** 0.25
+"""Confirmation rates lie on one grid, 2^(k/4) req/s for integers k (each ~19 % above the
+last), and a grid rate's requests have a seed of their own (grid_seed): candidates
+confirmed at the same rate meet the same arrivals, so that what tells them apart is the
+candidate, not the luck of a burst (near a knee one run's share within the SLO swings from
+0.2 to 1.0 with the arrivals alone)."""
+KNEE_FACTORS = {1: (0,), 2: (-1, 1), 3: (-2, 0, 1), 4: (-2, -1, 0, 1)}
+"""Load points of a confirmation run, as grid steps from the predicted knee's grid rate
+(4: ~0.71x, 0.84x, 1x, 1.19x), by their count (`--confirm-points`: fewer is faster, the knee
+coarser)."""
 KNEE_STEPS = 4
 """Load points a confirmation may add beyond KNEE_FACTORS to bracket the knee
 (`--knee-steps`)."""
-KNEE_STEP = math.sqrt(2)
+KNEE_GRID_STEPS = 1
+"""Grid steps between one added point and the next: every grid rate, so that two candidates'
+knees are told apart at the grid's resolution, not at that of whichever rates each ran."""
+KNEE_STEP = GRID_STEP ** KNEE_GRID_STEPS
 """Each added point's rate over the last one's (up), or under it (down)."""
+GRID_SEED = 1_000_000
+"""grid_seed's offset: the seed of grid index k is GRID_SEED + k (positive for any rate
+over 2^-250000 req/s), clear of the seeds a bench workload numbers its points with."""
+LOWEST_RATE = 0.05
+"""The lowest rate a confirmation starts from (a knee predicted at 0 still runs)."""
 
 
-def confirmation_rates(predicted: float, factors: Sequence[float], steps: int
+def grid_index(rate: float) -> int:
+    """The grid rate nearest `rate` (> 0), as its k."""
+    return round(4 * math.log2(rate))
+
+
+def grid_rate(index: int) -> float:
+    return round(GRID_STEP ** index, 4)
+
+
+def grid_seed(rate: float) -> int:
+    """The seed of a grid rate's requests, the same in every candidate's run."""
+    return GRID_SEED + grid_index(rate)
+
+
+def confirmation_rates(predicted: float, factors: Sequence[int], steps: int
                        ) -> tuple[float, ...]:
-    """The rates a confirmation may run, in order: `factors` times the predicted knee; then
-    `steps` up from the highest of them, KNEE_STEP apart; then `steps` down from the lowest
-    (bracketing decides which of the added ones run)."""
-    base = [round(max(predicted, 0.05) * f, 4) for f in factors]
-    up = [round(base[-1] * KNEE_STEP ** k, 4) for k in range(1, steps + 1)]
-    down = [round(base[0] / KNEE_STEP ** k, 4) for k in range(1, steps + 1)]
-    return (*base, *up, *down)
+    """The rates a confirmation may run, in order, all on the grid: `factors` grid steps
+    from the predicted knee's grid rate; then `steps` up from the highest of them,
+    KNEE_STEP apart; then `steps` down from the lowest (bracketing decides which of the
+    added ones run)."""
+    at = grid_index(max(predicted, LOWEST_RATE))
+    top, low = at + max(factors), at + min(factors)
+    return (*(grid_rate(at + f) for f in factors),
+            *(grid_rate(top + KNEE_GRID_STEPS * k) for k in range(1, steps + 1)),
+            *(grid_rate(low - KNEE_GRID_STEPS * k) for k in range(1, steps + 1)))
 
 
 def bracketing(rates: Sequence[float], first: int, steps: int

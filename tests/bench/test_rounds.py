@@ -4,6 +4,7 @@ between, the warm-up after each start, --until-significant's extra rounds."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,18 @@ def test_each_round_and_the_warm_up_get_their_own_requests() -> None:
                 result_dir=Path("/r"), result_name="w.json", warmup=3)
     assert args[args.index("--num-prompts") + 1] == "3"
     assert args[args.index("--seed") + 1] == str(WORKLOAD.warmup_seed())
+
+
+def test_a_point_with_a_seed_of_its_own_sends_that_seed_wherever_it_stands() -> None:
+    from epdctl.bench.workload import argv
+
+    mine = LoadPoint(8.0, seed=1_000_012)
+    first = replace(WORKLOAD, points=(mine, LoadPoint(4.0)))
+    second = replace(WORKLOAD, points=(LoadPoint(2.0), LoadPoint(4.0), mine))
+    assert first.seed_at(0) == second.seed_at(2) == 1_000_012
+    # the others keep the workload's numbering
+    assert second.seed_at(0) == WORKLOAD.seed and second.seed_at(1) == WORKLOAD.seed + 1
+    args = argv(["b"], second, 2, url="u", model="m", served_model_name="m",
+                result_dir=Path("/r"), result_name="p.json")
+    assert args[args.index("--seed") + 1] == "1000012"
+    assert mine.as_json()["seed"] == 1_000_012 and "seed" not in LoadPoint(8.0).as_json()

@@ -61,8 +61,13 @@ def test_profile_an_epd_probe_on_fake_gpus(tmp_path: Path, monkeypatch: pytest.M
                             input_len=16, output_len=8)
         got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
                                           levels=(1, 2, 4)))
+        # what an earlier probe profiled is skipped; D's hand-off is still timed
+        rest = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
+                                           levels=(1, 2), known={"encode", "prefill-tp1"}))
     finally:
         stop(run.sdir, run.sdir.read())
+    assert set(rest.stages) == {"decode-tp1"} and set(rest.series) == {"decode"}
+    assert rest.kv_ms is not None
     assert set(got.stages) == {"encode", "prefill-tp1", "decode-tp1"}
     assert got.stages["encode"].per_image_ms + got.stages["encode"].fixed_ms > 0
     assert got.stages["decode-tp1"].fixed_ms > 0
@@ -90,7 +95,12 @@ def test_sharing_slowdown_is_profiled(tmp_path: Path, monkeypatch: pytest.Monkey
                             input_len=16, output_len=8)
         got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
                                           levels=(1, 4)))
+        # E and PD profiled by an earlier probe: only the slowdown is measured
+        again = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
+                                            levels=(1, 4), known={"encode", "pd-tp1"}))
     finally:
         stop(run.sdir, run.sdir.read())
     assert set(got.stages) == {"encode", "pd-tp1"}
     assert got.sharing_slowdown is not None and got.sharing_slowdown > 0.5
+    assert again.stages == {} and set(again.series) == {"sharing"}
+    assert again.sharing_slowdown is not None and again.sharing_slowdown > 0.5

@@ -44,12 +44,16 @@ def settings(tmp_path: Path, budget_s: float = 1e9) -> Settings:
                     sim_requests=120)
 
 
-def profiler_calls(calls: list[str]):  # type: ignore[no-untyped-def]
-    def profile(shape: Shape, topology: Topology) -> Measurements:
+def profiler_calls(calls: list[str], told: list[frozenset[str]] | None = None
+                   ):  # type: ignore[no-untyped-def]
+    def profile(shape: Shape, topology: Topology, known: frozenset[str]) -> Measurements:
         calls.append(shape.label)
+        if told is not None:
+            told.append(known)
         from epdctl.tune.model import needed_stages
 
-        return Measurements({k: STAGES[k] for k in needed_stages(shape)}, kv_ms=2.0)
+        return Measurements({k: STAGES[k] for k in needed_stages(shape) if k not in known},
+                            kv_ms=2.0)
     return profile
 
 
@@ -93,6 +97,19 @@ def test_tune_predicts_confirms_and_keeps_profiles(tmp_path: Path) -> None:
     other = replace(settings(tmp_path), slo=Slo(ttft_ms=900, tpot_ms=50))
     tune(other, profiler_calls(again), confirm, Log(), Clock())
     assert again  # another SLO: profiled again
+
+
+def test_each_probe_is_told_what_earlier_probes_profiled(tmp_path: Path) -> None:
+    """E stands in front of every E|PD and E|P|D probe: profiled in the first, skipped after;
+    every candidate is still predicted from the merged profiles."""
+    calls: list[str] = []
+    told: list[frozenset[str]] = []
+    report = tune(settings(tmp_path), profiler_calls(calls, told), confirm, Log(), Clock())
+    assert len(calls) > 2 and told[0] == frozenset()
+    first_with_e = next(i for i, label in enumerate(calls) if "E" in label)
+    assert all("encode" in known for known in told[first_with_e + 1:])
+    assert all(b >= a for a, b in zip(told, told[1:], strict=False))  # only grows
+    assert all(r["predicted_goodput"] is not None for r in report["candidates"])
 
 
 def test_budget_stops_it_and_says_what_was_left_out(tmp_path: Path) -> None:
@@ -178,9 +195,9 @@ def test_a_budget_spent_while_profiling_stops_it_there(tmp_path: Path) -> None:
     clock = Clock()
     profile = profiler_calls(calls)
 
-    def slow(shape: Shape, topology: Topology) -> Measurements:
+    def slow(shape: Shape, topology: Topology, known: frozenset[str]) -> Measurements:
         clock.now += 100.0  # a probe takes 100 s: the budget is spent after the first
-        return profile(shape, topology)
+        return profile(shape, topology, known)
 
     report = tune(settings(tmp_path, budget_s=50.0), slow, confirm, Log(), clock)
     assert len(calls) == 1 and report["not_profiled"]

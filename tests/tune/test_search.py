@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 
 from epdctl.tune.decide import knee
-from epdctl.tune.search import KNEE_FACTORS, KNEE_STEP, bracketing, confirmation_rates
+from epdctl.tune.search import (
+    GRID_STEP,
+    KNEE_FACTORS,
+    KNEE_STEP,
+    bracketing,
+    confirmation_rates,
+    grid_index,
+    grid_rate,
+    grid_seed,
+)
 
 
 @dataclass
@@ -35,28 +44,50 @@ def run(rates: Sequence[float], first: int, steps: int, true_knee: float
     return [(rates[p.index], p.figures["request_goodput"] / rates[p.index]) for p in done]
 
 
-def test_rates_are_the_factors_then_steps_up_then_down() -> None:
+AROUND_10 = (6.7272, 8.0, 9.5137, 11.3137)
+"""The grid rates KNEE_FACTORS[4] puts around a knee predicted at 10 req/s (2^(13/4) is the
+grid rate nearest 10)."""
+
+
+def test_rates_are_the_factors_then_steps_up_then_down_all_on_the_grid() -> None:
     rates = confirmation_rates(10.0, KNEE_FACTORS[4], 2)
-    assert rates[:4] == (5.0, 8.0, 10.0, 12.5)
-    assert rates[4:6] == pytest.approx((12.5 * KNEE_STEP, 12.5 * KNEE_STEP ** 2), abs=1e-3)
-    assert rates[6:] == pytest.approx((5.0 / KNEE_STEP, 5.0 / KNEE_STEP ** 2), abs=1e-3)
-    assert confirmation_rates(0.0, (1.0,), 0) == (0.05,)  # a knee predicted at 0 still runs
+    assert rates[:4] == pytest.approx(AROUND_10, abs=1e-4)
+    assert rates[4:6] == pytest.approx((AROUND_10[-1] * KNEE_STEP,
+                                        AROUND_10[-1] * KNEE_STEP ** 2), abs=1e-3)
+    assert rates[6:] == pytest.approx((AROUND_10[0] / KNEE_STEP,
+                                       AROUND_10[0] / KNEE_STEP ** 2), abs=1e-3)
+    for rate in rates:
+        assert grid_rate(grid_index(rate)) == rate
+    # a knee predicted at 0 still runs, from the lowest rate's grid point
+    assert confirmation_rates(0.0, (0,), 0) == pytest.approx((0.05,), rel=GRID_STEP - 1)
+
+
+def test_candidates_predicted_apart_share_the_grid_and_its_seeds() -> None:
+    """Two candidates confirmed near 10 and 12 req/s run some of the same rates, with the
+    same requests there; within one run every rate has requests of its own."""
+    a, b = confirmation_rates(10.0, KNEE_FACTORS[4], 4), confirmation_rates(12.0,
+                                                                           KNEE_FACTORS[4], 4)
+    shared = set(a) & set(b)
+    assert len(shared) >= 3
+    assert {grid_seed(r) for r in a if r in shared} == {grid_seed(r) for r in b if r in shared}
+    assert len({grid_seed(r) for r in a}) == len(a) == len(set(a))
+    assert grid_seed(8.0) != grid_seed(8.0 * GRID_STEP)
 
 
 def test_a_knee_inside_the_factors_adds_nothing() -> None:
     rates = confirmation_rates(10.0, KNEE_FACTORS[4], 4)
     points = run(rates, 4, 4, true_knee=9.0)
-    assert [r for r, _ in points] == [5.0, 8.0, 10.0, 12.5]
-    assert 8.0 <= knee(points) <= 10.0
+    assert [r for r, _ in points] == list(AROUND_10)
+    assert 8.0 <= knee(points) <= AROUND_10[2]
 
 
-@pytest.mark.parametrize("true_knee", [14.0, 30.0, 45.0])
+@pytest.mark.parametrize("true_knee", [12.0, 17.0, 22.0])
 def test_a_knee_above_every_factor_goes_on_up_until_a_rate_misses(true_knee: float) -> None:
     rates = confirmation_rates(10.0, KNEE_FACTORS[4], 4)
     points = run(rates, 4, 4, true_knee)
     ran = [r for r, _ in points]
-    assert ran[:4] == [5.0, 8.0, 10.0, 12.5] and len(ran) > 4
-    assert all(r > 12.5 for r in ran[4:])  # only up: the lowest held
+    assert ran[:4] == list(AROUND_10) and len(ran) > 4
+    assert all(r > AROUND_10[-1] for r in ran[4:])  # only up: the lowest held
     misses = [r for r, share in points if share < 0.9]
     assert misses == [max(ran)]  # it stopped at the first miss
     held = max(r for r, share in points if share >= 0.9)
@@ -68,20 +99,20 @@ def test_steps_are_a_limit_a_knee_beyond_them_stays_a_lower_bound() -> None:
     rates = confirmation_rates(10.0, KNEE_FACTORS[4], 2)
     points = run(rates, 4, 2, true_knee=1000.0)
     assert len(points) == 6 and all(share == 1.0 for _, share in points)
-    assert knee(points) == pytest.approx(12.5 * KNEE_STEP ** 2, abs=1e-3)
+    assert knee(points) == pytest.approx(AROUND_10[-1] * KNEE_STEP ** 2, abs=1e-3)
 
 
 def test_a_knee_below_every_factor_goes_down_until_a_rate_holds() -> None:
     rates = confirmation_rates(10.0, KNEE_FACTORS[4], 4)
-    points = run(rates, 4, 4, true_knee=2.0)
+    points = run(rates, 4, 4, true_knee=3.5)
     ran = [r for r, _ in points]
-    assert ran[:4] == [5.0, 8.0, 10.0, 12.5]
-    assert all(r < 5.0 for r in ran[4:]) and len(ran) > 4  # only down: the lowest missed
+    assert ran[:4] == list(AROUND_10)
+    assert all(r < AROUND_10[0] for r in ran[4:]) and len(ran) > 4  # only down: the lowest missed
     assert [r for r, share in points if share >= 0.9] == [min(ran)]
-    assert min(ran) <= 2.0 and knee(points) >= min(ran)
+    assert min(ran) <= 3.5 and knee(points) >= min(ran)
 
 
 def test_no_steps_runs_the_factors_alone() -> None:
     rates = confirmation_rates(10.0, KNEE_FACTORS[2], 0)
-    assert [r for r, _ in run(rates, 2, 0, true_knee=100.0)] == [8.0, 12.5]
-    assert [r for r, _ in run(rates, 2, 0, true_knee=1.0)] == [8.0, 12.5]
+    assert [r for r, _ in run(rates, 2, 0, true_knee=100.0)] == [AROUND_10[1], AROUND_10[3]]
+    assert [r for r, _ in run(rates, 2, 0, true_knee=1.0)] == [AROUND_10[1], AROUND_10[3]]
