@@ -17,18 +17,20 @@ vs measured goodput over the swept candidates, worst) agg_call= (aggregated vs
 disaggregated called right, n/n). Goal: pick_ratio >= 0.9, cost_ratio <= 0.2,
 rank_spearman >= 0.8.
 
-The full sweep is hundreds of candidates (29 on 4 GPUs, ~140 on 8, per cost model) at ~80 s
-each on two cores (encode-heavy x 4 GPUs, every candidate: 2353 s; pick_ratio=1.000
-cost_ratio=0.156 rank_spearman=0.861 agg_call=1/1, 2026-12-02): `--sweep N` sweeps N of
-them per run (evenly spread over the enumeration, the first, aggregated, included), plus
-tune's pick.
+The full sweep is hundreds of candidates (29 on 4 GPUs, ~140 on 8, per cost model) at 80-140
+s each on two cores (4 GPUs, every candidate, 2026-12-04: 39-69 min a cost model, results in
+benchmarks/results/tune): `--sweep N` sweeps N of them per run (evenly spread over the
+enumeration, the first, aggregated, included), plus tune's pick.
 Its pick_ratio is then against the best *of the sample* (an upper bound of the true
 ratio), and cost_ratio is tune's time over the full sweep's, extrapolated from the
 sample's mean time per candidate (both said in each run's line: `swept`, `sweep_s_full`).
 
 A run can be stopped and started again with the same --out: tune's result (tune.json) and
 each swept candidate (sweep-progress.json) are kept, and only what is missing is run, so
-the hours of an exhaustive 8-GPU sweep can be spread over several sittings.
+the hours of an exhaustive 8-GPU sweep can be spread over several sittings. The default
+--out, benchmarks/results/tune, keeps those files (and settings.json, sweep.json) in git,
+for a sitting on another machine; the rest of a run (topology state, logs, bench's files,
+tune's profiles) is ignored there.
 """
 
 from __future__ import annotations
@@ -297,7 +299,8 @@ def main() -> None:
     parser.add_argument("--budget", default="20m")
     parser.add_argument("--sweep", type=int, default=0,
                         help="candidates swept per run (0: every one)")
-    parser.add_argument("--out", type=Path, default=Path("/tmp/epdctl-bench-tune"))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tune",
+                        help="what a run keeps, per cost model and GPU count (resumed from)")
     args = parser.parse_args()
     results = []
     for g in args.gpus.split(","):
