@@ -27,7 +27,9 @@ sample's mean time per candidate (both said in each run's line: `swept`, `sweep_
 
 A run can be stopped and started again with the same --out: tune's result (tune.json) and
 each swept candidate (sweep-progress.json) are kept, and only what is missing is run, so
-the hours of an exhaustive 8-GPU sweep can be spread over several sittings. The default
+the hours of an exhaustive 8-GPU sweep can be spread over several sittings. With --sweep 0
+the sweep runs first and tune after it (tune's wall time is measured in one go, so it wants
+a sitting with its --budget to spare; the sweep can be stopped anywhere). The default
 --out, benchmarks/results/tune, keeps those files (and settings.json, sweep.json) in git,
 for a sitting on another machine; the rest of a run (topology state, logs, bench's files,
 tune's profiles) is ignored there.
@@ -176,16 +178,22 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
     tokens = request_tokens(facts, 1, (512, 512), 64, 32)
     limits = limits_for(base, facts, 80 << 30, tokens)
     kept, _ = candidates(base, list(range(gpus)), facts, limits)
+    progress = Progress.load(run_dir)
+
+    def sweep_all(names: Sequence[Any]) -> None:
+        for c in names:
+            if c.name in progress.done:
+                continue  # measured by an earlier, interrupted run of this --out
+            began = time.monotonic()
+            goodput = _sweep_one(c, workload, run_dir / "state", run_dir / "sweep")
+            progress.add(c.name, c.shape.kind, goodput, time.monotonic() - began)
+
+    if not args.sweep:  # every candidate, tune's pick among them: the hours first, tune after
+        sweep_all(kept)
     doc, tune_s = _tuned(run_dir, base_path, model, gpus, cost, args)
     pick = next(c for c in doc["candidates"] if c["name"] == doc["best"])
     swept = sample(kept, args.sweep, pick["name"])
-    progress = Progress.load(run_dir)
-    for c in swept:
-        if c.name in progress.done:
-            continue  # measured by an earlier, interrupted run of this --out
-        began = time.monotonic()
-        goodput = _sweep_one(c, workload, run_dir / "state", run_dir / "sweep")
-        progress.add(c.name, c.shape.kind, goodput, time.monotonic() - began)
+    sweep_all(swept)
     sweep = progress.knees([c.name for c in swept])
     sweep_s = progress.seconds([c.name for c in swept])
     sweep_full_s = sweep_s / len(swept) * len(kept)

@@ -115,3 +115,29 @@ def test_a_resumed_run_keeps_its_settings(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="was begun with"):
         bench_tune._same_settings(tmp_path, argparse.Namespace(**{**vars(args),
                                                                   "point_seconds": 0.0}))
+
+
+@pytest.mark.parametrize(("size", "first"), [(0, "sweep"), (3, "tune")])
+def test_an_exhaustive_sweep_runs_before_tune_a_sample_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int, first: str) -> None:
+    """--sweep 0 sweeps every candidate first (a sitting may stop it anywhere), then tunes;
+    a sample needs tune's pick, so tune comes first."""
+    import argparse
+
+    calls: list[str] = []
+    for name in ("EPDCTL_FAKE_GPUS", "EPDCTL_BENCH_COMMAND"):
+        monkeypatch.setenv(name, "")  # restored after: run_one sets them
+    monkeypatch.setattr(bench_tune, "_sweep_one",
+                        lambda c, *a: calls.append("sweep") or 1.0)
+
+    def tuned(*a: object) -> tuple[dict, float]:
+        calls.append("tune")
+        return {"best": "sim-4pd", "candidates": [
+            {"name": "sim-4pd", "kind": "aggregated", "predicted_goodput": 1.0}]}, 10.0
+
+    monkeypatch.setattr(bench_tune, "_tuned", tuned)
+    args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m", sweep=size)
+    row = bench_tune.run_one("encode-heavy", 4, args, tmp_path)
+    assert calls[0] == first and calls.count("tune") == 1
+    assert calls.count("sweep") == row["swept"] == (29 if size == 0 else size)
+    assert row["pick"] == "sim-4pd" and row["pick_ratio"] == 1.0
