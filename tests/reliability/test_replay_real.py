@@ -238,18 +238,30 @@ def test_references(probe: Probe) -> None:
     assert len({reference(probe, s)[0] for s in SEEDS}) > 1
 
 
+KILLS = 2
+"""Kills test_one_of_two_pds_killed may take to land inside a stream. The stream it aims at
+had UNDER_WAY tokens to come at the client, but a PD on a fast CPU may have sent them all
+before it froze (into loopback sockets that hold megabytes): its streams then end whole,
+none resumed, and it is killed again once it is back (the module's kills stay within the
+topology's max_restarts)."""
+
+
 def test_one_of_two_pds_killed(probe: Probe) -> None:
-    restarts = all_ready(probe)
-    at = probe.mark("proxy")
-    answers, took_s = under_load(probe, ["pd-0"])
-    check_exact(probe, answers)
-    replayed, resumed, hows = replays(probe, at)
-    print(f"\none PD of two killed: all {REQUESTS} answered exactly; {replayed} replayed, "
-          f"{resumed} streams resumed ({hows}); the last answer {took_s:.1f}s after the kill")
+    for kill in range(1, KILLS + 1):
+        restarts = all_ready(probe)
+        at = probe.mark("proxy")
+        answers, took_s = under_load(probe, ["pd-0"])
+        check_exact(probe, answers)
+        replayed, resumed, hows = replays(probe, at)
+        print(f"\none PD of two killed (kill {kill}): all {REQUESTS} answered exactly; "
+              f"{replayed} replayed, {resumed} streams resumed ({hows}); the last answer "
+              f"{took_s:.1f}s after the kill")
+        wait_ready(probe, {"pd-0": restarts["pd-0"] + 1})
+        if resumed:
+            break
     assert resumed >= 1, probe.run.log("proxy")[at:]
     metrics = httpx.get(f"{probe.proxy}/metrics", timeout=10).text
     assert 'epdctl_proxy_replays_total{outcome="ok",stage="prefill_decode"}' in metrics
-    wait_ready(probe, {"pd-0": restarts["pd-0"] + 1})
 
 
 def test_no_pd_left_waits_for_the_restart(probe: Probe) -> None:
