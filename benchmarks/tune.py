@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/tune.py [--models encode-heavy,decode-heavy,sharing-sensitive]
         [--gpus 4,8] [--num-prompts 60] [--point-seconds S] [--budget 20m] [--sweep N]
-        [--out DIR]
+        [--out DIR] [--port-offset N]
 
 For each cost model of examples/sim/ and each fake-GPU count: `epdctl tune` runs on the
 base, workload and SLO (its pick, predictions and wall time); then every candidate `tune`
@@ -106,13 +106,18 @@ def _scaled(cost: Path, gpus: int, run_dir: Path) -> Path:
     return path
 
 
-def _base(tmp: Path, cost: Path) -> Path:
-    text = (ROOT / "examples" / "sim" / "base.yaml").read_text()
-    text = text.replace("command: [python, -m, epdctl.sim.engine]",
-                        f"command: [{sys.executable!r}, -m, epdctl.sim.engine, --cost-model, "
-                        f"{str(cost)!r}]")
+def _base(tmp: Path, cost: Path, port_offset: int = 0) -> Path:
+    """examples/sim/base.yaml with this venv's fake engine on `cost`, every port moved by
+    `port_offset` (so that runs of two cost models can go on side by side)."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "examples" / "sim" / "base.yaml").read_text())
+    data["engine"]["command"] = [sys.executable, "-m", "epdctl.sim.engine", "--cost-model",
+                                 str(cost)]
+    data["proxy"]["port"] += port_offset
+    data["ports"] = {k: v + port_offset for k, v in data["ports"].items()}
     path = tmp / "base.yaml"
-    path.write_text(text)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
@@ -168,7 +173,7 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
     from epdctl.tune.live import use_sim_bench_command
 
     use_sim_bench_command()
-    base_path = _base(run_dir, cost)
+    base_path = _base(run_dir, cost, args.port_offset)
     base = load_topology(base_path)
     facts = from_file(cost)
     workload = Workload(points=(LoadPoint(),), num_prompts=args.num_prompts,
@@ -307,6 +312,9 @@ def main() -> None:
     parser.add_argument("--budget", default="20m")
     parser.add_argument("--sweep", type=int, default=0,
                         help="candidates swept per run (0: every one)")
+    parser.add_argument("--port-offset", type=int, default=0,
+                        help="move every port of the base by this much (a second run beside "
+                             "the first: 100)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tune",
                         help="what a run keeps, per cost model and GPU count (resumed from)")
     args = parser.parse_args()

@@ -136,8 +136,23 @@ def test_an_exhaustive_sweep_runs_before_tune_a_sample_after_it(
             {"name": "sim-4pd", "kind": "aggregated", "predicted_goodput": 1.0}]}, 10.0
 
     monkeypatch.setattr(bench_tune, "_tuned", tuned)
-    args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m", sweep=size)
+    args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m", sweep=size,
+                              port_offset=0)
     row = bench_tune.run_one("encode-heavy", 4, args, tmp_path)
     assert calls[0] == first and calls.count("tune") == 1
     assert calls.count("sweep") == row["swept"] == (29 if size == 0 else size)
     assert row["pick"] == "sim-4pd" and row["pick_ratio"] == 1.0
+
+
+def test_the_base_with_its_ports_moved(tmp_path: Path) -> None:
+    """--port-offset: a second run beside the first gets ports of its own, and the base is
+    still a topology `up` takes, on this venv's fake engine and the given cost model."""
+    from epdctl.topology import load_topology
+
+    cost = tmp_path / "cost.yaml"
+    topology = load_topology(bench_tune._base(tmp_path, cost, 100))
+    assert topology.proxy.port == 8300
+    assert (topology.ports.base, topology.ports.side_channel_base) == (8310, 5800)
+    assert topology.engine.command[-1] == str(cost)
+    moved = load_topology(bench_tune._base(tmp_path, cost))
+    assert moved.proxy.port == 8200

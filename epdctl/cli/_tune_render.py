@@ -68,6 +68,12 @@ def markdown(doc: Mapping[str, Any]) -> str:
         from epdctl.bench.report import workload_line
 
         lines += [f"Workload: {workload_line(doc['workload'])}.", ""]
+    if doc.get("handoffs"):  # a report of an older epdctl has none
+        h = doc["handoffs"]
+        lines += [f"Hand-offs profiled: EC (the proxy's hop from E's answer to PD) "
+                  f"{_num(h['ec_ms'])} ms; KV (D's pull) {_num(h['kv_ms'])} ms. A busy "
+                  f"neighbour on a shared GPU makes a step "
+                  f"{_num(h['sharing_slowdown'] * 100)} % longer.", ""]
     lines += ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
     lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
     if doc.get("not_confirmed"):

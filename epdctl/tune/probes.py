@@ -4,6 +4,7 @@ requests shaped as the workload's)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -25,11 +26,15 @@ from epdctl.tune.profile import (
     combine,
     profile_decode,
     profile_encode,
+    profile_handoff,
     profile_prefill,
     slowdown,
 )
 
 CHAT = "/v1/chat/completions"
+HANDOFF = "ec-handoff"
+"""In `known` beside the stage keys: an earlier probe timed the EC hand-off (the proxy's hop
+does not depend on the instances' sizes: timed once)."""
 
 
 def probe_shapes(shapes: Sequence[Shape], gpus: int) -> list[Shape]:
@@ -154,6 +159,8 @@ class Measurements:
     """D's time to its first token beyond a decode step, at the workload's prompt."""
     sharing_slowdown: float | None = None
     """How much longer PD's decode steps get while E on its GPU is kept busy."""
+    ec_ms: float | None = None
+    """The EC hand-off: an E-fed request's time through the proxy beyond E's and PD's own."""
 
 
 async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens: int,
@@ -161,12 +168,19 @@ async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens:
                           ) -> Measurements:
     """Profile each instance of a running probe topology alone (one of each role), but for
     the stage keys in `known` (an earlier probe profiled them: an E in front of every E|PD
-    and E|P|D probe is timed once, not in each)."""
+    and E|P|D probe is timed once, not in each); and where it has E and PD, unless `known`
+    holds HANDOFF, the EC hand-off through its proxy."""
     specs = {s.role: s for s in state.engines}
-    http = Http({s.url: _headers(s) for s in state.engines})
+    proxy = state.proxy
+    key = state.proxy_api_key
+    http = Http({**{s.url: _headers(s) for s in state.engines},
+                 proxy.url: {"authorization": f"Bearer {key}"} if key else {}})
     out = Measurements()
     try:
         await _profile(http, specs, shape, bodies, tokens, levels, out, frozenset(known))
+        if {"encode", "prefill_decode"} <= specs.keys() and HANDOFF not in known:
+            out.ec_ms, out.series["ec_handoff"] = await _handoff(
+                http, proxy.url, specs["encode"].url, specs["prefill_decode"].url, bodies)
     finally:
         await http.close()
     return out
@@ -234,8 +248,6 @@ async def _profile_pd(http: Http, specs: dict[str, SpecModel], shape: Shape, bod
 async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, pd_send: Send,
                                pd_url: str, level: int) -> float:
     """PD's time per output token at `level` in flight while E is kept busy."""
-    import asyncio
-
     stop = asyncio.Event()
 
     async def keep_busy(w: int) -> None:
@@ -261,10 +273,39 @@ def replace_seqs(cost: StepCost, max_seqs: int | None) -> StepCost:
 
 
 async def _encode(http: Http, e_url: str, body: dict[str, Any]) -> None:
-    for part in body["messages"][0]["content"]:
-        if part.get("type") == "image_url":
-            await http.post(e_url, {"model": body.get("model"), "stream": False,
-                                    "messages": [{"role": "user", "content": [part]}]})
+    for part in _images(body):
+        await http.post(e_url, _encoder_body(body, part))
+
+
+def _encoder_body(body: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """What E gets for one image of `body`, as the proxy sends it."""
+    return {"model": body.get("model"), "stream": False,
+            "messages": [{"role": "user", "content": [part]}]}
+
+
+async def _handoff(http: Http, proxy_url: str, e_url: str, pd_url: str, bodies: Bodies
+                   ) -> tuple[float, dict[str, Any]]:
+    """profile_handoff with prefill-only requests (`max_tokens` 1), each with images of its
+    own: through the proxy, and by hand (E encodes the request's images, all at once as the
+    proxy sends them, then PD prefills)."""
+    first = 60_000
+
+    async def through(n: int) -> float:
+        return (await http.send(proxy_url, bodies.chat(first + n, 1))).latency
+
+    async def direct(n: int) -> float:
+        body = bodies.chat(first + n, 1)
+        start = time.perf_counter()
+        await asyncio.gather(*(http.post(e_url, _encoder_body(body, part))
+                               for part in _images(body)))
+        await http.send(pd_url, body)
+        return time.perf_counter() - start
+
+    return await profile_handoff(through, direct)
+
+
+def _images(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in body["messages"][0]["content"] if p.get("type") == "image_url"]
 
 
 def _after_encoder(http: Http, e_url: str, bodies: Bodies) -> Send:

@@ -1,6 +1,7 @@
 """Profiling: short closed-loop runs against single instances at the workload's sizes, and
 the step costs fitted from them (E: latency against images in flight; prefill: against
-prompt tokens in flight; decode: time per token against requests in flight; D's KV pull).
+prompt tokens in flight; decode: time per token against requests in flight; D's KV pull;
+the EC hand-off, the proxy's hop from E's answer to PD).
 
 Measurement goes through a `Send` (one timed request), so the sweep and the fits are
 tested without a server; epdctl.tune.probes gives the HTTP one.
@@ -9,6 +10,7 @@ tested without a server; epdctl.tune.probes gives the HTTP one.
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,6 +22,8 @@ LEVELS = (1, 2, 4, 8)
 ROUNDS = 3
 """Requests each worker sends per level (the first round fills the batch)."""
 DECODE_TOKENS = 16
+HANDOFF_ROUNDS = 5
+"""E-fed requests timed through the proxy, and as many twins timed without it."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ Send = Callable[[str, dict[str, Any]], Awaitable[Timing]]
 """(instance URL, body) -> its timing; streamed bodies time each token."""
 Body = Callable[[int], dict[str, Any]]
 """Request number -> its body (each its own image, so no cache hit)."""
+Timed = Callable[[int], Awaitable[float]]
+"""Request number -> the seconds it took, end to end (however many hops)."""
 
 
 async def closed_loop(send: Send, url: str, body: Body, concurrency: int,
@@ -129,6 +135,22 @@ async def profile_decode(send: Send, url: str, body: Body,
     series = await sweep(send, url, body, lambda t: t.tpot, levels, rounds=1)
     fixed, per_seq = fit_line(series.levels, series.values)
     return StepCost(fixed_ms=fixed * 1000, per_seq_ms=per_seq * 1000), series
+
+
+async def profile_handoff(through: Timed, direct: Timed, rounds: int = HANDOFF_ROUNDS
+                          ) -> tuple[float, dict[str, Any]]:
+    """The EC hand-off (ms): how much longer an E-fed request takes through the proxy (E
+    encodes, the proxy hands its answer on, PD prefills from E's entry) than its twin sent
+    by hand without it (E, then PD), one request at a time so that nothing queues; the
+    median of `rounds` pairs, at 0 or more. With its series, for the report."""
+    pairs = []
+    for n in range(rounds):
+        pairs.append((await through(2 * n), await direct(2 * n + 1)))
+    series = {"through_ms": [round(a * 1000, 3) for a, _ in pairs],
+              "direct_ms": [round(b * 1000, 3) for _, b in pairs]}
+    if not pairs:
+        return 0.0, series
+    return max(statistics.median(a - b for a, b in pairs) * 1000, 0.0), series
 
 
 def combine(prefill: StepCost, decode: StepCost, max_seqs: int | None = None,

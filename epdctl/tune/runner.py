@@ -20,7 +20,7 @@ from epdctl.tune.decide import Decision, Measured, best_measured, corrected, nex
 from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
-from epdctl.tune.probes import Measurements, probe_shapes
+from epdctl.tune.probes import HANDOFF, Measurements, probe_shapes
 
 PROFILES = "profiles.json"
 CONFIRMED = "confirmed.json"
@@ -122,24 +122,29 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
             continue
         progress.line(f"profile {shape.label}: starting")
         known = frozenset(k for e in store.values() for k in e.get("stages", {}))
+        if _values(store, "ec_ms"):
+            known |= {HANDOFF}
         got = profiler(shape, base_placed(shape), known)
         store[shape.label] = {"stages": {k: asdict(v) for k, v in got.stages.items()},
                               "series": got.series, "kv_ms": got.kv_ms,
-                              "sharing_slowdown": got.sharing_slowdown}
+                              "sharing_slowdown": got.sharing_slowdown, "ec_ms": got.ec_ms}
         _save(path, key, store)
     stages: dict[str, StepCost] = {}
-    kv: list[float] = []
-    sharing = [float(e["sharing_slowdown"]) for e in store.values()
-               if e.get("sharing_slowdown") is not None]
     for entry in store.values():
         for key, cost in entry.get("stages", {}).items():
             stages.setdefault(key, StepCost(**cost))
-        if entry.get("kv_ms") is not None:
-            kv.append(float(entry["kv_ms"]))
     if skipped:
         progress.line(f"the budget is spent: not profiled {', '.join(skipped)}")
-    return Profile(stages, kv_fixed_ms=sum(kv) / len(kv) if kv else 0.0,
-                   sharing_slowdown=max(sharing, default=0.0)), skipped
+    kv, ec = _values(store, "kv_ms"), _values(store, "ec_ms")
+    return Profile(stages, ec_handoff_ms=sum(ec) / len(ec) if ec else 0.0,
+                   kv_fixed_ms=sum(kv) / len(kv) if kv else 0.0,
+                   sharing_slowdown=max(_values(store, "sharing_slowdown"), default=0.0)), \
+        skipped
+
+
+def _values(store: dict[str, Any], name: str) -> list[float]:
+    """One measurement of every probe in the store that made it."""
+    return [float(e[name]) for e in store.values() if e.get(name) is not None]
 
 
 def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress: Progress,
@@ -237,6 +242,9 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         "workload": {k: v for k, v in w.as_json().items() if k != "points"},
         "elapsed_s": round(clock() - started, 1),
         "profile": {k: asdict(v) for k, v in profile.stages.items()},
+        "handoffs": {"ec_ms": round(profile.ec_handoff_ms, 3),
+                     "kv_ms": round(profile.kv_fixed_ms, 3),
+                     "sharing_slowdown": round(profile.sharing_slowdown, 3)},
     }
 
 

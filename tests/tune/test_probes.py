@@ -14,8 +14,10 @@ from epdctl.topology import parse_topology
 from epdctl.tune.candidates import GIB, Limits, Pool, Shape, candidates, place
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import needed_stages
-from epdctl.tune.probes import Bodies, probe_shapes, profile_running
+from epdctl.tune.probes import HANDOFF, Bodies, probe_shapes, profile_running
 from tests.vllm_harness import free_ports
+
+DELAYED_PROXY = Path(__file__).parents[1] / "delayed_proxy.py"
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,12 +97,46 @@ def test_sharing_slowdown_is_profiled(tmp_path: Path, monkeypatch: pytest.Monkey
                             input_len=16, output_len=8)
         got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
                                           levels=(1, 4)))
-        # E and PD profiled by an earlier probe: only the slowdown is measured
+        # E, PD and the hand-off timed by an earlier probe: only the slowdown is measured
         again = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
-                                            levels=(1, 4), known={"encode", "pd-tp1"}))
+                                            levels=(1, 4),
+                                            known={"encode", "pd-tp1", HANDOFF}))
     finally:
         stop(run.sdir, run.sdir.read())
     assert set(got.stages) == {"encode", "pd-tp1"}
     assert got.sharing_slowdown is not None and got.sharing_slowdown > 0.5
     assert again.stages == {} and set(again.series) == {"sharing"}
     assert again.sharing_slowdown is not None and again.sharing_slowdown > 0.5
+
+
+def test_the_ec_handoff_is_the_proxys_hop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """An E|PD probe times E-fed requests through its proxy and by hand: with a proxy that
+    holds each chat request 300 ms, the hand-off found is about that; a later probe told
+    it was timed (HANDOFF) does not time it again."""
+    import shlex
+
+    from epdctl.run import prepare, start_detached, stop
+
+    monkeypatch.setenv("EPDCTL_FAKE_GPUS", "2")
+    monkeypatch.setenv("EPDCTL_PROXY_COMMAND",
+                       shlex.join([sys.executable, str(DELAYED_PROXY), "300"]))
+    base = parse_topology(_base(tmp_path))
+    shape = Shape("e-pd", 1, pd=Pool(1, 1))
+    topology = place(base, shape, [0, 1], Limits(24 * GIB, 2048))
+    run = prepare(tmp_path / "e-pd.yaml", tmp_path / "state", topology=topology)
+    state = start_detached(run, 60.0)
+    try:
+        workload = Workload(points=(LoadPoint(),), images=2, image_size=(64, 64),
+                            input_len=16, output_len=8)
+        got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
+                                          levels=(1, 2)))
+        again = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
+                                            levels=(1, 2),
+                                            known={"encode", "pd-tp1", HANDOFF}))
+    finally:
+        stop(run.sdir, run.sdir.read())
+    assert set(got.stages) == {"encode", "pd-tp1"}
+    assert got.ec_ms is not None and 200 <= got.ec_ms < 2000, got.series["ec_handoff"]
+    assert len(got.series["ec_handoff"]["through_ms"]) == 5
+    assert again.ec_ms is None and again.stages == {} and again.series == {}

@@ -21,6 +21,7 @@ from epdctl.tune.profile import (
     fit_line,
     profile_decode,
     profile_encode,
+    profile_handoff,
     profile_prefill,
     slowdown,
 )
@@ -115,6 +116,25 @@ def test_closed_loop_keeps_the_full_rounds() -> None:
     fn: Send = send
     timings = asyncio.run(closed_loop(fn, "u", lambda n: {"n": n}, 3, rounds=2, start=10))
     assert len(timings) == 3 and sorted(calls) == list(range(10, 16))
+
+
+def test_the_handoff_is_the_median_extra_time_through_the_proxy() -> None:
+    """Pairs of requests, each its own: the proxy's extra 7 ms is found past an outlier
+    (a request that met a busy E); a proxy no slower than its twins (noise) gives 0."""
+    numbers: list[int] = []
+
+    def timed(seconds: float, outlier: float = 0.0):  # type: ignore[no-untyped-def]
+        async def send(n: int) -> float:
+            numbers.append(n)
+            return seconds + (outlier if n == 0 else 0.0)
+        return send
+
+    ms, series = asyncio.run(profile_handoff(timed(0.107, outlier=0.5), timed(0.100)))
+    assert ms == pytest.approx(7.0)
+    assert len(series["through_ms"]) == len(series["direct_ms"]) == 5
+    assert sorted(numbers) == list(range(10))  # every request its own images
+    ms, _ = asyncio.run(profile_handoff(timed(0.100), timed(0.103)))
+    assert ms == 0.0
 
 
 def test_slowdown() -> None:

@@ -15,7 +15,7 @@ from epdctl.tune.decide import Measured
 from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import Slo
-from epdctl.tune.probes import Measurements
+from epdctl.tune.probes import HANDOFF, Measurements
 from epdctl.tune.runner import PROFILES, Settings, tune
 
 BASE = parse_topology({"name": "b", "model": "m", "roles": {"prefill_decode": {}}})
@@ -52,8 +52,9 @@ def profiler_calls(calls: list[str], told: list[frozenset[str]] | None = None
             told.append(known)
         from epdctl.tune.model import needed_stages
 
+        handoff = shape.encoders and shape.pd.replicas and HANDOFF not in known
         return Measurements({k: STAGES[k] for k in needed_stages(shape) if k not in known},
-                            kv_ms=2.0)
+                            kv_ms=2.0, ec_ms=3.0 if handoff else None)
     return profile
 
 
@@ -110,6 +111,23 @@ def test_each_probe_is_told_what_earlier_probes_profiled(tmp_path: Path) -> None
     assert all("encode" in known for known in told[first_with_e + 1:])
     assert all(b >= a for a, b in zip(told, told[1:], strict=False))  # only grows
     assert all(r["predicted_goodput"] is not None for r in report["candidates"])
+
+
+def test_the_ec_handoff_is_timed_once_and_reported(tmp_path: Path) -> None:
+    """The first E|PD probe times the hand-off; every later probe is told (HANDOFF), and a
+    rerun that keeps the profiles still has it."""
+    calls: list[str] = []
+    told: list[frozenset[str]] = []
+    report = tune(settings(tmp_path), profiler_calls(calls, told), confirm, Log(), Clock())
+    first = next(i for i, label in enumerate(calls) if "E" in label and "PD" in label)
+    assert all(HANDOFF not in known for known in told[: first + 1])
+    assert all(HANDOFF in known for known in told[first + 1:]) and told[first + 1:]
+    assert report["handoffs"] == {"ec_ms": 3.0, "kv_ms": 2.0, "sharing_slowdown": 0.0}
+    from epdctl.cli._tune_render import markdown
+
+    assert "EC (the proxy's hop from E's answer to PD) 3 ms" in markdown(report)
+    again = tune(settings(tmp_path), profiler_calls([]), confirm, Log(), Clock())
+    assert again["handoffs"]["ec_ms"] == 3.0
 
 
 def test_budget_stops_it_and_says_what_was_left_out(tmp_path: Path) -> None:
