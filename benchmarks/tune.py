@@ -56,9 +56,9 @@ REFERENCE_GPUS = 4
 """A cost model's time_scale is for this many GPUs; on more, every wait is as many times
 longer (_scaled), so that the best candidates' knees stay where 4 GPUs put them, within what
 two cores of proxy and load generator carry (~0.5-1 ms of CPU a streamed token)."""
-SEARCH = (math.inf, *LADDER, *LADDER[::-1])
+SEARCH = (math.inf, *LADDER, *LADDER[::-1], *LADDER)
 """The sweep's load points in the order they may run: all at once, the ladder up, the ladder
-down (_sweep_one runs those it needs)."""
+down, the ladder up again (_sweep_one runs those `wanted` picks)."""
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -127,7 +127,11 @@ def wanted(index: int, done: Sequence[Any]) -> bool:
     until a rate misses the SLO for more than 10 % of its requests; then, only if even the
     first of those missed, down until one holds it (or until not one request holds it at a
     quarter of X or less: no load is light enough then). A rate far below the knee would take
-    num_prompts / rate to pass, a rate far above it about num_prompts / X to miss."""
+    num_prompts / rate to pass, a rate far above it about num_prompts / X to miss; so where
+    not one request of a rate held the SLO, the rates down to X/4 are skipped (the candidates
+    with no goodput at all, more than half of them on 8 GPUs, spent most of the sweep there),
+    and should X/4 hold, the ladder up again runs the rates skipped between it and the
+    lowest that missed, until one misses: the same bracket as one step at a time."""
     from epdctl.tune.decide import ATTAINMENT, attainment
 
     if index == 0:
@@ -137,10 +141,18 @@ def wanted(index: int, done: Sequence[Any]) -> bool:
     rate = SEARCH[index]
     if index <= len(LADDER):  # going up
         return rate >= top / 2 and all(share >= ATTAINMENT for _, share in ran)
-    lowest = min(ran, default=(math.inf, 0.0))  # going down
-    if lowest[0] <= top / 4 and lowest[1] == 0.0:
-        return False  # not one request within the SLO at a quarter of X: none at any load
-    return lowest[1] < ATTAINMENT and rate < lowest[0]
+    if index <= 2 * len(LADDER):  # going down
+        lowest = min(ran, default=(math.inf, 0.0))
+        if lowest[1] >= ATTAINMENT or rate >= lowest[0]:
+            return False
+        if lowest[1] == 0.0:  # not one request held: X/4 next (or the ladder's foot)
+            return lowest[0] > top / 4 and rate <= max(top / 4, LADDER[0])
+        return True
+    held = [r for r, share in ran if share >= ATTAINMENT]  # up again, where down skipped
+    if not held:
+        return False
+    missed = [r for r, share in ran if share < ATTAINMENT and r > max(held)]
+    return max(held) < rate < min(missed, default=math.inf)
 
 
 def _sweep_one(candidate, workload, state_root: Path, out: Path) -> float:  # type: ignore[no-untyped-def]

@@ -35,13 +35,14 @@ class _Point:
         self.figures = {"request_throughput": throughput, "request_goodput": throughput * share}
 
 
-def _search(most: float, holds_up_to: float) -> list[float]:
+def _search(most: float, holds_up_to: float, missed: float = 0.5) -> list[float]:
     """The rates the sweep runs on a candidate serving `most` req/s at once and holding the
-    SLO up to `holds_up_to` req/s, driven as run_arms drives `wanted`."""
+    SLO up to `holds_up_to` req/s (above it, a share `missed` of requests within the SLO;
+    none where nothing holds), driven as run_arms drives `wanted`."""
     done: list[_Point] = []
     for index, rate in enumerate(bench_tune.SEARCH):
         if bench_tune.wanted(index, done):
-            share = 1.0 if rate <= holds_up_to else 0.5 if holds_up_to else 0.0
+            share = 1.0 if rate <= holds_up_to else missed if holds_up_to else 0.0
             done.append(_Point(index, min(rate, most), share))
     return [bench_tune.SEARCH[p.index] for p in done]
 
@@ -52,11 +53,31 @@ def _search(most: float, holds_up_to: float) -> list[float]:
     (12.0, 1.5, [math.inf, 8.0, 5.657, 4.0, 2.828, 2.0, 1.414]),  # the first missed: down
     (200.0, 1000.0, [math.inf, 128.0, 181.019, 256.0]),  # every rate holds: the top
     (1.0, 0.1, [math.inf, 0.5]),  # even the lowest misses: nothing lower to try
-    (6.0, 0.0, [math.inf, 4.0, 2.828, 2.0, 1.414]),  # no request holds even at X/4: stop
+    (6.0, 0.0, [math.inf, 4.0, 1.414]),  # no request holds, nor at X/4: stop
+    (1.5, 0.0, [math.inf, 1.0, 0.5]),  # X/4 below the ladder: its foot
 ])
 def test_the_sweep_brackets_each_knee_in_one_pass(most: float, holds: float,
                                                    expected: list[float]) -> None:
     assert _search(most, holds) == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize(("holds", "expected"), [
+    (4.5, [math.inf, 8.0, 2.828, 4.0, 5.657]),  # X/4 held: up again, to the first miss
+    (3.0, [math.inf, 8.0, 2.828, 4.0]),  # up again, missed at once
+])
+def test_not_one_request_held_goes_straight_to_a_quarter_of_x(
+        holds: float, expected: list[float]) -> None:
+    """A cliff: every request misses above `holds`. The rates between the first miss and X/4
+    are skipped, and the knee is bracketed by neighbouring rates all the same."""
+    from epdctl.tune.decide import knee
+
+    rates = _search(12.0, holds, missed=0.0)
+    assert rates == pytest.approx(expected, rel=1e-3)
+    finite = sorted(r for r in rates if math.isfinite(r))
+    held = max(r for r in finite if r <= holds)
+    assert finite[finite.index(held) + 1] == pytest.approx(held * 2 ** 0.5)  # neighbours
+    points = [(r, 1.0 if r <= holds else 0.0) for r in finite]
+    assert knee(points) == pytest.approx(knee([(held, 1.0), (held * 2 ** 0.5, 0.0)]))
 
 
 def test_an_interrupted_sweep_goes_on_where_it_stopped(tmp_path: Path) -> None:
