@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/tune.py [--models encode-heavy,decode-heavy,sharing-sensitive]
         [--gpus 4,8] [--num-prompts 60] [--point-seconds S] [--budget 20m] [--sweep N]
-        [--out DIR] [--port-offset N]
+        [--out DIR] [--port-offset N] [--sweep-only]
 
 For each cost model of examples/sim/ and each fake-GPU count: `epdctl tune` runs on the
 base, workload and SLO (its pick, predictions and wall time); then every candidate `tune`
@@ -170,7 +170,8 @@ class _Err:
         print(text, file=sys.stderr, flush=True)
 
 
-def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
+def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict | None:
+    """One cost model on `gpus` fake GPUs: its figures (None: --sweep-only)."""
     from epdctl.bench.workload import LoadPoint, Workload, parse_slo
     from epdctl.topology import load_topology
     from epdctl.tune.candidates import candidates, limits_for, request_tokens
@@ -207,6 +208,8 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict:
 
     if not args.sweep:  # every candidate, tune's pick among them: the hours first, tune after
         sweep_all(kept)
+        if args.sweep_only:
+            return None
     doc, tune_s = _tuned(run_dir, base_path, model, gpus, cost, args)
     pick = next(c for c in doc["candidates"] if c["name"] == doc["best"])
     swept = sample(kept, args.sweep, pick["name"])
@@ -327,14 +330,25 @@ def main() -> None:
     parser.add_argument("--port-offset", type=int, default=0,
                         help="move every port of the base by this much (a second run beside "
                              "the first: 100)")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="with --sweep 0: sweep every candidate, then stop before tune "
+                             "(sweeps side by side; tune then runs alone, timed as it is)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tune",
                         help="what a run keeps, per cost model and GPU count (resumed from)")
     args = parser.parse_args()
+    if args.sweep_only and args.sweep:
+        parser.error("--sweep-only sweeps every candidate: it goes with --sweep 0")
     results = []
     for g in args.gpus.split(","):
         for m in args.models.split(","):
-            results.append(run_one(m, int(g), args, args.out))
-            print(json.dumps(results[-1]), flush=True)
+            row = run_one(m, int(g), args, args.out)
+            if row is None:
+                print(f"swept={m}-{g}", flush=True)
+                continue
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if not results:
+        return
     print(f"pick_ratio={min(r['pick_ratio'] for r in results):.3f} "
           f"cost_ratio={max(r['cost_ratio'] for r in results):.3f} "
           f"rank_spearman={min(r['rank_spearman'] for r in results):.3f} "

@@ -158,11 +158,19 @@ def test_an_exhaustive_sweep_runs_before_tune_a_sample_after_it(
 
     monkeypatch.setattr(bench_tune, "_tuned", tuned)
     args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m", sweep=size,
-                              port_offset=0)
+                              port_offset=0, sweep_only=False)
     row = bench_tune.run_one("encode-heavy", 4, args, tmp_path)
     assert calls[0] == first and calls.count("tune") == 1
     assert calls.count("sweep") == row["swept"] == (29 if size == 0 else size)
     assert row["pick"] == "sim-4pd" and row["pick_ratio"] == 1.0
+    if size == 0:  # --sweep-only: the same sweep (kept), then no tune
+        calls.clear()
+        args.sweep_only = True
+        assert bench_tune.run_one("encode-heavy", 4, args, tmp_path) is None
+        assert calls == []  # every candidate was kept from the run above
+        (tmp_path / "encode-heavy-4" / "sweep-progress.json").unlink()
+        assert bench_tune.run_one("encode-heavy", 4, args, tmp_path) is None
+        assert calls == ["sweep"] * 29
 
 
 def test_the_base_with_its_ports_moved(tmp_path: Path) -> None:
