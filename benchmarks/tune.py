@@ -50,12 +50,29 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 SLO = {"encode-heavy": "ttft=3000,tpot=60", "decode-heavy": "ttft=3000,tpot=60",
        "sharing-sensitive": "ttft=3000,tpot=60"}
+"""Each cost model's SLO (ms) at its own time scale, on REFERENCE_GPUS GPUs (slo_for)."""
 LADDER = tuple(0.5 * 2 ** (k / 2) for k in range(19))
 """req/s, 0.5 to 256 by sqrt(2)."""
 REFERENCE_GPUS = 4
 """A cost model's time_scale is for this many GPUs; on more, every wait is as many times
 longer (_scaled), so that the best candidates' knees stay where 4 GPUs put them, within what
 two cores of proxy and load generator carry (~0.5-1 ms of CPU a streamed token)."""
+
+
+def dilation(gpus: int) -> float:
+    """How many times slower than its file a cost model runs on `gpus` fake GPUs."""
+    return gpus / REFERENCE_GPUS if gpus > REFERENCE_GPUS else 1.0
+
+
+def slo_for(model: str, gpus: int) -> str:
+    """The SLO a run holds its candidates to: stretched as its waits are (dilation), so that
+    8 GPUs are the same machine seen slower, not a slower machine (a 60 ms TPOT against
+    decode steps twice as long ruled out every candidate decoding at TP1)."""
+    factor = dilation(gpus)
+    return ",".join(f"{name}={float(ms) * factor:g}"
+                    for name, ms in (part.split("=") for part in SLO[model].split(",")))
+
+
 SEARCH = (math.inf, *LADDER, *LADDER[::-1], *LADDER)
 """The sweep's load points in the order they may run: all at once, the ladder up, the ladder
 down, the ladder up again (_sweep_one runs those `wanted` picks)."""
@@ -93,14 +110,14 @@ def agg_call_right(sweep: dict[str, tuple[str, float]], pick_kind: str) -> bool:
 
 
 def _scaled(cost: Path, gpus: int, run_dir: Path) -> Path:
-    """The cost model as the run uses it: time_scale x gpus / REFERENCE_GPUS (from 4 GPUs
-    up; the file itself on fewer)."""
+    """The cost model as the run uses it: time_scale x dilation (from 4 GPUs up; the file
+    itself on fewer)."""
     import yaml
 
-    if gpus <= REFERENCE_GPUS:
+    if dilation(gpus) == 1.0:
         return cost
     data = yaml.safe_load(cost.read_text())
-    data["time_scale"] = float(data.get("time_scale", 1.0)) * gpus / REFERENCE_GPUS
+    data["time_scale"] = float(data.get("time_scale", 1.0)) * dilation(gpus)
     path = run_dir / cost.name
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -179,7 +196,7 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict 
 
     run_dir = out / f"{model}-{gpus}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    _same_settings(run_dir, args)
+    _same_settings(run_dir, args, model, gpus)
     cost = _scaled(ROOT / "examples" / "sim" / f"{model}.yaml", gpus, run_dir)
     os.environ["EPDCTL_FAKE_GPUS"] = str(gpus)
     os.environ.pop("EPDCTL_PROXY_COMMAND", None)
@@ -192,7 +209,7 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict 
     workload = Workload(points=(LoadPoint(),), num_prompts=args.num_prompts,
                         point_seconds=args.point_seconds, images=1,
                         image_size=(512, 512), input_len=64, output_len=32,
-                        slo=parse_slo(SLO[model]))
+                        slo=parse_slo(slo_for(model, gpus)))
     tokens = request_tokens(facts, 1, (512, 512), 64, 32)
     limits = limits_for(base, facts, 80 << 30, tokens)
     kept, _ = candidates(base, list(range(gpus)), facts, limits)
@@ -232,13 +249,16 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict 
             "agg_call": agg_call_right(sweep, pick["kind"])}
 
 
-def _same_settings(run_dir: Path, args: argparse.Namespace) -> None:
-    """A resumed run goes on only with the workload it began with (settings.json); another
-    --budget re-runs tune only (_tuned), the sweep does not depend on it."""
+def _same_settings(run_dir: Path, args: argparse.Namespace, model: str, gpus: int) -> None:
+    """A resumed run goes on only with the workload and SLO it began with (settings.json;
+    one written before the SLO was kept there had the unstretched one); another --budget
+    re-runs tune only (_tuned), the sweep does not depend on it."""
     settings = {"num_prompts": args.num_prompts, "point_seconds": args.point_seconds,
-                "ladder_top": LADDER[-1], "reference_gpus": REFERENCE_GPUS}
+                "ladder_top": LADDER[-1], "reference_gpus": REFERENCE_GPUS,
+                "slo": slo_for(model, gpus)}
     path = run_dir / "settings.json"
-    if path.exists() and (before := json.loads(path.read_text())) != settings:
+    before = json.loads(path.read_text()) if path.exists() else settings
+    if {"slo": SLO[model], **before} != settings:
         raise SystemExit(f"{run_dir} was begun with {before}, not {settings}: "
                          "another --out, or the same options")
     path.write_text(json.dumps(settings))
@@ -261,7 +281,7 @@ def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
     started = time.monotonic()
     tuned = subprocess.run(
         [sys.executable, "-m", "epdctl", "--state-dir", str(run_dir / "state"), "tune",
-         str(base_path), "--gpus", ",".join(map(str, range(gpus))), "--slo", SLO[model],
+         str(base_path), "--gpus", ",".join(map(str, range(gpus))), "--slo", slo_for(model, gpus),
          "--images", "1", "--image-size", "512x512", "--input-len", "64", "--output-len", "32",
          "--num-prompts", str(args.num_prompts), "--point-seconds", str(args.point_seconds),
          "--budget", args.budget, "--model-facts",

@@ -127,15 +127,34 @@ def test_more_gpus_than_four_run_the_cost_model_slower(tmp_path: Path) -> None:
 
 def test_a_resumed_run_keeps_its_settings(tmp_path: Path) -> None:
     import argparse
+    import json
 
     args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m")
-    bench_tune._same_settings(tmp_path, args)
+    bench_tune._same_settings(tmp_path, args, "encode-heavy", 8)
     args.budget = "30m"  # tune is made again for it; the sweep stands
-    bench_tune._same_settings(tmp_path, args)
-    bench_tune._same_settings(tmp_path, args)  # the same: goes on
+    bench_tune._same_settings(tmp_path, args, "encode-heavy", 8)
+    bench_tune._same_settings(tmp_path, args, "encode-heavy", 8)  # the same: goes on
     with pytest.raises(SystemExit, match="was begun with"):
         bench_tune._same_settings(tmp_path, argparse.Namespace(**{**vars(args),
-                                                                  "point_seconds": 0.0}))
+                                                                  "point_seconds": 0.0}),
+                                  "encode-heavy", 8)
+    # a run begun before the SLO was kept had the unstretched one: on 4 GPUs it goes on,
+    # on 8 it was another SLO than the stretched one
+    older = {"num_prompts": 60, "point_seconds": 10.0, "ladder_top": 256.0,
+             "reference_gpus": 4}
+    (tmp_path / "settings.json").write_text(json.dumps(older))
+    bench_tune._same_settings(tmp_path, args, "encode-heavy", 4)
+    (tmp_path / "settings.json").write_text(json.dumps(older))
+    with pytest.raises(SystemExit, match="was begun with"):
+        bench_tune._same_settings(tmp_path, args, "encode-heavy", 8)
+
+
+def test_on_more_gpus_the_slo_stretches_with_the_time() -> None:
+    """8 fake GPUs run every wait twice as long: the SLO too, so TP1 decoding (8 ms steps at
+    time_scale 4: 32 ms, at 8: 64 ms) meets a 60 ms TPOT on 4 GPUs and its 120 ms on 8."""
+    assert bench_tune.slo_for("encode-heavy", 4) == "ttft=3000,tpot=60"
+    assert bench_tune.slo_for("encode-heavy", 8) == "ttft=6000,tpot=120"
+    assert bench_tune.dilation(8) == 2.0 and bench_tune.dilation(2) == 1.0
 
 
 @pytest.mark.parametrize(("size", "first"), [(0, "sweep"), (3, "tune")])
