@@ -14,7 +14,7 @@ from epdctl.topology import parse_topology
 from epdctl.tune.candidates import GIB, Limits, Pool, Shape, candidates, place
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import needed_stages
-from epdctl.tune.probes import HANDOFF, Bodies, probe_shapes, profile_running
+from epdctl.tune.probes import HANDOFF, Bodies, Measurements, probe_shapes, profile_running
 from tests.vllm_harness import free_ports
 
 DELAYED_PROXY = Path(__file__).parents[1] / "delayed_proxy.py"
@@ -46,28 +46,39 @@ def test_probe_shapes_cover_every_stage() -> None:
     assert any(p.shared for p in probes)
 
 
-def test_profile_an_epd_probe_on_fake_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                           ) -> None:
+Run = tuple[tuple[int, ...], set[str]]
+"""One profile_running of a probe: its levels, and the stage keys it is told are known."""
+
+
+def _profile_twice(tmp_path: Path, data: dict, shape: Shape, images: int, first: Run,
+                   second: Run) -> tuple[Measurements, Measurements]:
+    """Bring the probe up on the first `shape.gpus` fake GPUs, profile it as `first` says,
+    then as `second` says, and take it down."""
     from epdctl.run import prepare, start_detached, stop
 
-    monkeypatch.setenv("EPDCTL_FAKE_GPUS", "3")
-    monkeypatch.delenv("EPDCTL_PROXY_COMMAND", raising=False)
-    base = parse_topology(_base(tmp_path))
-    shape = Shape("epd", 1, prefill=Pool(1, 1), decode=Pool(1, 1))
-    topology = place(base, shape, [0, 1, 2], Limits(24 * GIB, 2048))
-    path = tmp_path / "probe.yaml"
-    run = prepare(path, tmp_path / "state", topology=topology)
+    topology = place(parse_topology(data), shape, list(range(shape.gpus)),
+                     Limits(24 * GIB, 2048))
+    run = prepare(tmp_path / "probe.yaml", tmp_path / "state", topology=topology)
     state = start_detached(run, 60.0)
+    bodies = Bodies(Workload(points=(LoadPoint(),), images=images, image_size=(64, 64),
+                             input_len=16, output_len=8), "sim-model")
     try:
-        workload = Workload(points=(LoadPoint(),), images=1, image_size=(64, 64),
-                            input_len=16, output_len=8)
-        got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
-                                          levels=(1, 2, 4)))
-        # what an earlier probe profiled is skipped; D's hand-off is still timed
-        rest = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
-                                           levels=(1, 2), known={"encode", "prefill-tp1"}))
+        got, again = (asyncio.run(profile_running(state, shape, bodies, 30, levels=levels,
+                                                  known=known))
+                      for levels, known in (first, second))
+        return got, again
     finally:
         stop(run.sdir, run.sdir.read())
+
+
+def test_profile_an_epd_probe_on_fake_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    monkeypatch.setenv("EPDCTL_FAKE_GPUS", "3")
+    monkeypatch.delenv("EPDCTL_PROXY_COMMAND", raising=False)
+    shape = Shape("epd", 1, prefill=Pool(1, 1), decode=Pool(1, 1))
+    # what an earlier probe profiled is skipped; D's hand-off is still timed
+    got, rest = _profile_twice(tmp_path, _base(tmp_path), shape, 1, ((1, 2, 4), set()),
+                               ((1, 2), {"encode", "prefill-tp1"}))
     assert set(rest.stages) == {"decode-tp1"} and set(rest.series) == {"decode"}
     assert rest.kv_ms is not None
     assert set(got.stages) == {"encode", "prefill-tp1", "decode-tp1"}
@@ -78,8 +89,6 @@ def test_profile_an_epd_probe_on_fake_gpus(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_sharing_slowdown_is_profiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from epdctl.run import prepare, start_detached, stop
-
     monkeypatch.setenv("EPDCTL_FAKE_GPUS", "1")
     monkeypatch.delenv("EPDCTL_PROXY_COMMAND", raising=False)
     data = _base(tmp_path)
@@ -87,22 +96,10 @@ def test_sharing_slowdown_is_profiled(tmp_path: Path, monkeypatch: pytest.Monkey
     # a busy neighbour triples a step: far above what a loaded test machine adds
     cost.write_text(cost.read_text() + "sharing: {slowdown: 2.0}\n"
                     "encode: {fixed_ms: 10, per_image_ms: 10}\n")
-    base = parse_topology(data)
     shape = Shape("e-pd", 1, True, pd=Pool(1, 1))
-    topology = place(base, shape, [0], Limits(24 * GIB, 2048))
-    run = prepare(tmp_path / "shared.yaml", tmp_path / "state", topology=topology)
-    state = start_detached(run, 60.0)
-    try:
-        workload = Workload(points=(LoadPoint(),), images=1, image_size=(64, 64),
-                            input_len=16, output_len=8)
-        got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
-                                          levels=(1, 4)))
-        # E, PD and the hand-off timed by an earlier probe: only the slowdown is measured
-        again = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
-                                            levels=(1, 4),
-                                            known={"encode", "pd-tp1", HANDOFF}))
-    finally:
-        stop(run.sdir, run.sdir.read())
+    # E, PD and the hand-off timed by an earlier probe: only the slowdown is measured
+    got, again = _profile_twice(tmp_path, data, shape, 1, ((1, 4), set()),
+                                ((1, 4), {"encode", "pd-tp1", HANDOFF}))
     assert set(got.stages) == {"encode", "pd-tp1"}
     assert got.sharing_slowdown is not None and got.sharing_slowdown > 0.5
     assert again.stages == {} and set(again.series) == {"sharing"}
@@ -116,26 +113,11 @@ def test_the_ec_handoff_is_the_proxys_hop(tmp_path: Path, monkeypatch: pytest.Mo
     it was timed (HANDOFF) does not time it again."""
     import shlex
 
-    from epdctl.run import prepare, start_detached, stop
-
     monkeypatch.setenv("EPDCTL_FAKE_GPUS", "2")
     monkeypatch.setenv("EPDCTL_PROXY_COMMAND",
                        shlex.join([sys.executable, str(DELAYED_PROXY), "300"]))
-    base = parse_topology(_base(tmp_path))
-    shape = Shape("e-pd", 1, pd=Pool(1, 1))
-    topology = place(base, shape, [0, 1], Limits(24 * GIB, 2048))
-    run = prepare(tmp_path / "e-pd.yaml", tmp_path / "state", topology=topology)
-    state = start_detached(run, 60.0)
-    try:
-        workload = Workload(points=(LoadPoint(),), images=2, image_size=(64, 64),
-                            input_len=16, output_len=8)
-        got = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
-                                          levels=(1, 2)))
-        again = asyncio.run(profile_running(state, shape, Bodies(workload, "sim-model"), 30,
-                                            levels=(1, 2),
-                                            known={"encode", "pd-tp1", HANDOFF}))
-    finally:
-        stop(run.sdir, run.sdir.read())
+    got, again = _profile_twice(tmp_path, _base(tmp_path), Shape("e-pd", 1, pd=Pool(1, 1)), 2,
+                                ((1, 2), set()), ((1, 2), {"encode", "pd-tp1", HANDOFF}))
     assert set(got.stages) == {"encode", "pd-tp1"}
     assert got.ec_ms is not None and 200 <= got.ec_ms < 2000, got.series["ec_handoff"]
     assert len(got.series["ec_handoff"]["through_ms"]) == 5
