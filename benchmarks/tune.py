@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/tune.py [--models encode-heavy,decode-heavy,sharing-sensitive]
         [--gpus 4,8] [--num-prompts 60] [--point-seconds S] [--budget 20m] [--sweep N]
-        [--out DIR] [--port-offset N] [--sweep-only]
+        [--out DIR] [--port-offset N] [--sweep-only] [--check-alone N]
 
 For each cost model of examples/sim/ and each fake-GPU count: `epdctl tune` runs on the
 base, workload and SLO (its pick, predictions and wall time); then every candidate `tune`
@@ -227,6 +227,12 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict 
         sweep_all(kept)
         if args.sweep_only:
             return None
+    alone = Alone.load(run_dir)
+    for name in alone.wanted(progress, args.check_alone):
+        began = time.monotonic()
+        goodput = _sweep_one(next(c for c in kept if c.name == name), workload,
+                             run_dir / "state", run_dir / "alone")
+        alone.add(name, goodput, time.monotonic() - began)
     doc, tune_s = _tuned(run_dir, base_path, model, gpus, cost, args)
     pick = next(c for c in doc["candidates"] if c["name"] == doc["best"])
     swept = sample(kept, args.sweep, pick["name"])
@@ -246,7 +252,8 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict 
             "pick_ratio": sweep[pick["name"]][1] / best if best else 0.0,
             "cost_ratio": tune_s / sweep_full_s if sweep_full_s else float("inf"),
             "rank_spearman": spearman([a for a, _ in both], [b for _, b in both]),
-            "agg_call": agg_call_right(sweep, pick["kind"])}
+            "agg_call": agg_call_right(sweep, pick["kind"]),
+            **alone.figures(progress, args.check_alone)}
 
 
 def _same_settings(run_dir: Path, args: argparse.Namespace, model: str, gpus: int) -> None:
@@ -316,15 +323,61 @@ class Progress:
 
     def add(self, name: str, kind: str, goodput: float, seconds: float) -> None:
         self.done[name] = (kind, goodput, seconds)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.done, indent=1))
-        tmp.replace(self.path)
+        _write(self.path, self.done)
 
     def knees(self, names: Sequence[str]) -> dict[str, tuple[str, float]]:
         return {n: self.done[n][:2] for n in names}
 
     def seconds(self, names: Sequence[str]) -> float:
         return sum(self.done[n][2] for n in names)
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    """Whole or not at all (a sitting may end anywhere)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+class Alone:
+    """--check-alone N: the N candidates of the sweep with the highest knees swept again
+    with nothing else running (alone.json: knee and seconds each). They are the ones whose
+    high-rate points use the most CPU, so this shows whether sweeping beside other runs
+    (--port-offset) lowered their knees; on a run swept alone it shows the run-to-run
+    spread."""
+
+    FILE = "alone.json"
+
+    def __init__(self, path: Path, done: dict[str, tuple[float, float]]) -> None:
+        self.path, self.done = path, done
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Alone:
+        path = run_dir / cls.FILE
+        data = json.loads(path.read_text()) if path.exists() else {}
+        return cls(path, {k: (v[0], v[1]) for k, v in data.items()})
+
+    @staticmethod
+    def fastest(progress: Progress, n: int) -> list[str]:
+        ranked = sorted(progress.done, key=lambda k: -progress.done[k][1])
+        return [k for k in ranked[:n] if progress.done[k][1] > 0]
+
+    def wanted(self, progress: Progress, n: int) -> list[str]:
+        return [k for k in self.fastest(progress, n) if k not in self.done]
+
+    def add(self, name: str, goodput: float, seconds: float) -> None:
+        self.done[name] = (goodput, seconds)
+        _write(self.path, self.done)
+
+    def figures(self, progress: Progress, n: int) -> dict[str, Any]:
+        """Each checked candidate's knee in the sweep and alone, and the largest relative
+        difference (none where nothing was checked)."""
+        names = [k for k in self.fastest(progress, n) if k in self.done]
+        if not names:
+            return {}
+        pairs = {k: (round(progress.done[k][1], 3), round(self.done[k][0], 3)) for k in names}
+        return {"alone": pairs,
+                "alone_dev": max(abs(a / s - 1) if s else math.inf for s, a in pairs.values())}
 
 
 def sample(kept: Sequence[Any], size: int, pick: str) -> list[Any]:
@@ -353,6 +406,9 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true",
                         help="with --sweep 0: sweep every candidate, then stop before tune "
                              "(sweeps side by side; tune then runs alone, timed as it is)")
+    parser.add_argument("--check-alone", type=int, default=0, metavar="N",
+                        help="sweep the N candidates with the highest knees again, alone "
+                             "(run with nothing else on the machine), before tune")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tune",
                         help="what a run keeps, per cost model and GPU count (resumed from)")
     args = parser.parse_args()
@@ -372,7 +428,9 @@ def main() -> None:
     print(f"pick_ratio={min(r['pick_ratio'] for r in results):.3f} "
           f"cost_ratio={max(r['cost_ratio'] for r in results):.3f} "
           f"rank_spearman={min(r['rank_spearman'] for r in results):.3f} "
-          f"agg_call={sum(r['agg_call'] for r in results)}/{len(results)}")
+          f"agg_call={sum(r['agg_call'] for r in results)}/{len(results)}"
+          + (f" alone_dev={max(devs):.3f}" if (devs := [r["alone_dev"] for r in results
+                                                        if "alone_dev" in r]) else ""))
 
 
 if __name__ == "__main__":

@@ -177,7 +177,7 @@ def test_an_exhaustive_sweep_runs_before_tune_a_sample_after_it(
 
     monkeypatch.setattr(bench_tune, "_tuned", tuned)
     args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m", sweep=size,
-                              port_offset=0, sweep_only=False)
+                              port_offset=0, sweep_only=False, check_alone=0)
     row = bench_tune.run_one("encode-heavy", 4, args, tmp_path)
     assert calls[0] == first and calls.count("tune") == 1
     assert calls.count("sweep") == row["swept"] == (29 if size == 0 else size)
@@ -204,3 +204,22 @@ def test_the_base_with_its_ports_moved(tmp_path: Path) -> None:
     assert topology.engine.command[-1] == str(cost)
     moved = load_topology(bench_tune._base(tmp_path, cost))
     assert moved.proxy.port == 8200
+
+
+def test_the_fastest_are_swept_again_alone(tmp_path: Path) -> None:
+    """--check-alone 2: the two highest knees (a zero is never one), swept again once (kept
+    in alone.json), and how far the two sweeps differ."""
+    progress = bench_tune.Progress.load(tmp_path)
+    for name, knee in (("a", 4.0), ("b", 9.0), ("c", 0.0), ("d", 8.0)):
+        progress.add(name, "e-pd", knee, 60.0)
+    alone = bench_tune.Alone.load(tmp_path)
+    assert alone.figures(progress, 2) == {}
+    assert alone.wanted(progress, 2) == ["b", "d"]
+    alone.add("b", 9.9, 50.0)
+    alone.add("d", 7.6, 50.0)
+    again = bench_tune.Alone.load(tmp_path)
+    assert again.wanted(progress, 2) == [] and again.wanted(progress, 3) == ["a"]
+    got = again.figures(progress, 2)
+    assert got["alone"] == {"b": (9.0, 9.9), "d": (8.0, 7.6)}
+    assert got["alone_dev"] == pytest.approx(0.1)
+    assert bench_tune.Alone.fastest(progress, 9) == ["b", "d", "a"]
