@@ -79,7 +79,8 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return a, b
 
 
-def _mean(values: Sequence[float]) -> float:
+def mean(values: Sequence[float]) -> float:
+    """The mean, 0 for none."""
     return sum(values) / len(values) if values else 0.0
 
 
@@ -102,7 +103,7 @@ async def sweep(send: Send, url: str, body: Body, measure: Callable[[Timing], fl
     for level in levels:
         timings = await closed_loop(send, url, body, level, rounds, start)
         start += level * rounds
-        values.append(_mean([v for t in timings if (v := measure(t)) is not None]))
+        values.append(mean([v for t in timings if (v := measure(t)) is not None]))
     return Series(tuple(levels), tuple(values))
 
 

@@ -21,6 +21,7 @@ from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
 from epdctl.tune.probes import HANDOFF, Measurements, probe_shapes
+from epdctl.tune.profile import mean
 
 PROFILES = "profiles.json"
 CONFIRMED = "confirmed.json"
@@ -135,9 +136,8 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
             stages.setdefault(key, StepCost(**cost))
     if skipped:
         progress.line(f"the budget is spent: not profiled {', '.join(skipped)}")
-    kv, ec = _values(store, "kv_ms"), _values(store, "ec_ms")
-    return Profile(stages, ec_handoff_ms=sum(ec) / len(ec) if ec else 0.0,
-                   kv_fixed_ms=sum(kv) / len(kv) if kv else 0.0,
+    return Profile(stages, ec_handoff_ms=mean(_values(store, "ec_ms")),
+                   kv_fixed_ms=mean(_values(store, "kv_ms")),
                    sharing_slowdown=max(_values(store, "sharing_slowdown"), default=0.0)), \
         skipped
 
