@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/tune.py [--models encode-heavy,decode-heavy,sharing-sensitive]
         [--gpus 4,8] [--num-prompts 60] [--point-seconds S] [--budget 20m] [--sweep N]
-        [--out DIR] [--port-offset N] [--sweep-only] [--check-alone N]
+        [--out DIR] [--port-offset N] [--sweep-only [--shard I/N]] [--check-alone N]
 
 For each cost model of examples/sim/ and each fake-GPU count: `epdctl tune` runs on the
 base, workload and SLO (its pick, predictions and wall time); then every candidate `tune`
@@ -29,7 +29,9 @@ A run can be stopped and started again with the same --out: tune's result (tune.
 each swept candidate (sweep-progress.json) are kept, and only what is missing is run, so
 the hours of an exhaustive 8-GPU sweep can be spread over several sittings. With --sweep 0
 the sweep runs first and tune after it (tune's wall time is measured in one go, so it wants
-a sitting with its --budget to spare; the sweep can be stopped anywhere). The default
+a sitting with its --budget to spare; the sweep can be stopped anywhere). `--sweep-only
+--shard I/N` sweeps every Nth candidate from the Ith: N runs of one cost model side by side
+(each with its own --port-offset) share its sweep-progress.json. The default
 --out, benchmarks/results/tune, keeps those files (and settings.json, sweep.json) in git,
 for a sitting on another machine; the rest of a run (topology state, logs, bench's files,
 tune's profiles) is ignored there.
@@ -123,9 +125,10 @@ def _scaled(cost: Path, gpus: int, run_dir: Path) -> Path:
     return path
 
 
-def _base(tmp: Path, cost: Path, port_offset: int = 0) -> Path:
+def _base(tmp: Path, cost: Path, port_offset: int = 0, suffix: str = "") -> Path:
     """examples/sim/base.yaml with this venv's fake engine on `cost`, every port moved by
-    `port_offset` (so that runs of two cost models can go on side by side)."""
+    `port_offset` (so that runs of two cost models, or two shards, can go on side by side);
+    written to base{suffix}.yaml."""
     import yaml
 
     data = yaml.safe_load((ROOT / "examples" / "sim" / "base.yaml").read_text())
@@ -133,7 +136,7 @@ def _base(tmp: Path, cost: Path, port_offset: int = 0) -> Path:
                                  str(cost)]
     data["proxy"]["port"] += port_offset
     data["ports"] = {k: v + port_offset for k, v in data["ports"].items()}
-    path = tmp / "base.yaml"
+    path = tmp / f"base{suffix}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -203,7 +206,9 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict 
     from epdctl.tune.live import use_sim_bench_command
 
     use_sim_bench_command()
-    base_path = _base(run_dir, cost, args.port_offset)
+    index, shards = args.shard
+    suffix = f"-{index}" if index else ""  # a shard's own base, topology state and bench files
+    base_path = _base(run_dir, cost, args.port_offset, suffix)
     base = load_topology(base_path)
     facts = from_file(cost)
     workload = Workload(points=(LoadPoint(),), num_prompts=args.num_prompts,
@@ -220,11 +225,12 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict 
             if c.name in progress.done:
                 continue  # measured by an earlier, interrupted run of this --out
             began = time.monotonic()
-            goodput = _sweep_one(c, workload, run_dir / "state", run_dir / "sweep")
+            goodput = _sweep_one(c, workload, run_dir / f"state{suffix}",
+                                 run_dir / f"sweep{suffix}")
             progress.add(c.name, c.shape.kind, goodput, time.monotonic() - began)
 
     if not args.sweep:  # every candidate, tune's pick among them: the hours first, tune after
-        sweep_all(kept)
+        sweep_all(kept[index::shards])
         if args.sweep_only:
             return None
     alone = Alone.load(run_dir)
@@ -322,8 +328,15 @@ class Progress:
         return cls(path, {k: (v[0], v[1], v[2]) for k, v in data.items()})
 
     def add(self, name: str, kind: str, goodput: float, seconds: float) -> None:
-        self.done[name] = (kind, goodput, seconds)
-        _write(self.path, self.done)
+        """Kept at once, with what other shards of the sweep kept meanwhile (the file is
+        read again under a lock, so that two runs of one --out lose nothing)."""
+        import fcntl
+
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.done.update(Progress.load(self.path.parent).done)
+            self.done[name] = (kind, goodput, seconds)
+            _write(self.path, self.done)
 
     def knees(self, names: Sequence[str]) -> dict[str, tuple[str, float]]:
         return {n: self.done[n][:2] for n in names}
@@ -390,6 +403,18 @@ def sample(kept: Sequence[Any], size: int, pick: str) -> list[Any]:
     return [c for i, c in enumerate(kept) if i in chosen or c.name == pick]
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """`I/N` (0 <= I < N) as (I, N)."""
+    index, _, count = text.partition("/")
+    try:
+        pair = int(index), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N (e.g. 1/2)") from None
+    if not 0 <= pair[0] < pair[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: I must be 0 to N-1")
+    return pair
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="encode-heavy,decode-heavy,sharing-sensitive")
@@ -406,6 +431,9 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true",
                         help="with --sweep 0: sweep every candidate, then stop before tune "
                              "(sweeps side by side; tune then runs alone, timed as it is)")
+    parser.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N",
+                        help="with --sweep-only: sweep candidates I, I+N, I+2N... (0-based), "
+                             "so that N runs side by side share one cost model's sweep")
     parser.add_argument("--check-alone", type=int, default=0, metavar="N",
                         help="sweep the N candidates with the highest knees again, alone "
                              "(run with nothing else on the machine), before tune")
@@ -414,6 +442,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sweep_only and args.sweep:
         parser.error("--sweep-only sweeps every candidate: it goes with --sweep 0")
+    if args.shard != (0, 1) and not args.sweep_only:
+        parser.error("--shard splits the sweep alone: it goes with --sweep-only")
     results = []
     for g in args.gpus.split(","):
         for m in args.models.split(","):

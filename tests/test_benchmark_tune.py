@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import math
 from pathlib import Path
@@ -99,7 +100,6 @@ def test_a_rerun_keeps_the_tune_it_is_measured_against(tmp_path: Path) -> None:
     doc = {"best": "sim-4pd", "candidates": []}
     (tmp_path / "tune.json").write_text(json.dumps({"doc": doc, "tune_s": 368.0}))
     # No tune runs (its arguments would fail): the kept one comes back.
-    import argparse
 
     args = argparse.Namespace(budget="15m", num_prompts=60, point_seconds=10.0)
     assert bench_tune._tuned(tmp_path, tmp_path / "none.yaml", "encode-heavy", 4,
@@ -126,7 +126,6 @@ def test_more_gpus_than_four_run_the_cost_model_slower(tmp_path: Path) -> None:
 
 
 def test_a_resumed_run_keeps_its_settings(tmp_path: Path) -> None:
-    import argparse
     import json
 
     args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m")
@@ -162,7 +161,6 @@ def test_an_exhaustive_sweep_runs_before_tune_a_sample_after_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int, first: str) -> None:
     """--sweep 0 sweeps every candidate first (a sitting may stop it anywhere), then tunes;
     a sample needs tune's pick, so tune comes first."""
-    import argparse
 
     calls: list[str] = []
     for name in ("EPDCTL_FAKE_GPUS", "EPDCTL_BENCH_COMMAND"):
@@ -177,7 +175,7 @@ def test_an_exhaustive_sweep_runs_before_tune_a_sample_after_it(
 
     monkeypatch.setattr(bench_tune, "_tuned", tuned)
     args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m", sweep=size,
-                              port_offset=0, sweep_only=False, check_alone=0)
+                              port_offset=0, sweep_only=False, check_alone=0, shard=(0, 1))
     row = bench_tune.run_one("encode-heavy", 4, args, tmp_path)
     assert calls[0] == first and calls.count("tune") == 1
     assert calls.count("sweep") == row["swept"] == (29 if size == 0 else size)
@@ -190,6 +188,40 @@ def test_an_exhaustive_sweep_runs_before_tune_a_sample_after_it(
         (tmp_path / "encode-heavy-4" / "sweep-progress.json").unlink()
         assert bench_tune.run_one("encode-heavy", 4, args, tmp_path) is None
         assert calls == ["sweep"] * 29
+
+
+def test_shards_split_the_sweep_and_keep_it_in_one_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--shard I/N: two runs of one cost model sweep disjoint halves (each in its own state
+    dir, on its own base), and the one sweep-progress.json ends with every candidate, though
+    each run kept its own copy of it in memory."""
+    swept: list[tuple[str, str]] = []
+    for name in ("EPDCTL_FAKE_GPUS", "EPDCTL_BENCH_COMMAND"):
+        monkeypatch.setenv(name, "")  # restored after: run_one sets them
+    monkeypatch.setattr(bench_tune, "_sweep_one",
+                        lambda c, w, state, out: swept.append((c.name, state.name)) or 1.0)
+    args = argparse.Namespace(num_prompts=60, point_seconds=10.0, budget="15m", sweep=0,
+                              port_offset=0, sweep_only=True, check_alone=0, shard=(0, 2))
+    first = bench_tune.Progress.load(tmp_path / "encode-heavy-4")  # a run begun before
+    assert bench_tune.run_one("encode-heavy", 4, args, tmp_path) is None
+    half = {name for name, _ in swept}
+    assert {state for _, state in swept} == {"state"} and len(half) == 15
+    first.add("sim-late", "e-pd", 2.0, 1.0)  # a stale copy loses nothing
+    swept.clear()
+    args.shard, args.port_offset = (1, 2), 100
+    assert bench_tune.run_one("encode-heavy", 4, args, tmp_path) is None
+    assert {state for _, state in swept} == {"state-1"} and len(swept) == 14
+    assert not half & {name for name, _ in swept}
+    done = bench_tune.Progress.load(tmp_path / "encode-heavy-4").done
+    assert len(done) == 30 and "sim-late" in done
+    assert (tmp_path / "encode-heavy-4" / "base-1.yaml").exists()
+
+
+@pytest.mark.parametrize("text", ["1", "2/2", "a/b", "-1/2"])
+def test_a_shard_is_i_of_n(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench_tune._shard(text)
+    assert bench_tune._shard("1/3") == (1, 3)
 
 
 def test_the_base_with_its_ports_moved(tmp_path: Path) -> None:
