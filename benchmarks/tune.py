@@ -1,7 +1,7 @@
 """`epdctl tune` against an exhaustive sweep, on the simulated machine.
 
     .venv/bin/python benchmarks/tune.py [--models encode-heavy,decode-heavy,sharing-sensitive]
-        [--gpus 4,8] [--num-prompts 60] [--point-seconds S] [--budget 20m] [--sweep N]
+        [--gpus 4,8] [--num-prompts 60] [--point-seconds S] [--budget 15m] [--sweep N]
         [--out DIR] [--port-offset N] [--sweep-only [--shard I/N]] [--check-alone N]
 
 For each cost model of examples/sim/ and each fake-GPU count: `epdctl tune` runs on the
@@ -73,6 +73,16 @@ def slo_for(model: str, gpus: int) -> str:
     factor = dilation(gpus)
     return ",".join(f"{name}={float(ms) * factor:g}"
                     for name, ms in (part.split("=") for part in SLO[model].split(",")))
+
+
+def budget_for(budget: str, gpus: int) -> str:
+    """tune's --budget on `gpus` fake GPUs: stretched as the waits are (dilation), so that
+    `--budget 15m` is 15 minutes on 4 GPUs and 30 on 8 (profiling a stage there takes twice
+    as long)."""
+    from epdctl.topology_sections import parse_duration
+
+    factor = dilation(gpus)
+    return budget if factor == 1.0 else f"{parse_duration(budget) * factor / 60:g}m"
 
 
 SEARCH = (math.inf, *LADDER, *LADDER[::-1], *LADDER)
@@ -285,10 +295,11 @@ def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
     import shutil
     import subprocess
 
+    budget = budget_for(args.budget, gpus)
     kept = run_dir / "tune.json"
     if kept.exists():
         saved = json.loads(kept.read_text())
-        if saved.get("budget", args.budget) == args.budget:
+        if saved.get("budget", budget) == budget:
             return saved["doc"], saved["tune_s"]
         shutil.rmtree(run_dir / "tune", ignore_errors=True)
     started = time.monotonic()
@@ -297,7 +308,7 @@ def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
          str(base_path), "--gpus", ",".join(map(str, range(gpus))), "--slo", slo_for(model, gpus),
          "--images", "1", "--image-size", "512x512", "--input-len", "64", "--output-len", "32",
          "--num-prompts", str(args.num_prompts), "--point-seconds", str(args.point_seconds),
-         "--budget", args.budget, "--model-facts",
+         "--budget", budget, "--model-facts",
          str(cost), "--out", str(run_dir / "tune"), "--json"],
         capture_output=True, text=True, check=False)
     tune_s = time.monotonic() - started
@@ -305,7 +316,7 @@ def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
     if tuned.returncode != 0:
         raise SystemExit(f"tune failed on {model} x {gpus}: {tuned.stderr[-2000:]}")
     doc = json.loads(tuned.stdout)
-    kept.write_text(json.dumps({"doc": doc, "tune_s": tune_s, "budget": args.budget}))
+    kept.write_text(json.dumps({"doc": doc, "tune_s": tune_s, "budget": budget}))
     return doc, tune_s
 
 
@@ -422,7 +433,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=60)
     parser.add_argument("--point-seconds", type=float, default=10.0,
                         help="a rate point sends at least rate x S requests (tune and sweep)")
-    parser.add_argument("--budget", default="20m")
+    parser.add_argument("--budget", default="15m",
+                        help="tune's --budget on 4 GPUs (as many times more on more: "
+                             "30m on 8)")
     parser.add_argument("--sweep", type=int, default=0,
                         help="candidates swept per run (0: every one)")
     parser.add_argument("--port-offset", type=int, default=0,

@@ -112,6 +112,13 @@ def test_a_rerun_keeps_the_tune_it_is_measured_against(tmp_path: Path) -> None:
         bench_tune._tuned(tmp_path, tmp_path / "none.yaml", "encode-heavy", 4,
                           tmp_path / "none.yaml", args)
     assert not (tmp_path / "tune").exists()
+    # On 8 GPUs the budget is twice as long, as every wait is: a kept "30m" tune is that one.
+    (tmp_path / "tune.json").write_text(json.dumps({"doc": doc, "tune_s": 900.0,
+                                                    "budget": "30m"}))
+    args.budget = "15m"
+    assert bench_tune._tuned(tmp_path, tmp_path / "none.yaml", "encode-heavy", 8,
+                             tmp_path / "none.yaml", args) == (doc, 900.0)
+    assert bench_tune.budget_for("15m", 4) == "15m" and bench_tune.budget_for("90s", 12) == "4.5m"
 
 
 def test_more_gpus_than_four_run_the_cost_model_slower(tmp_path: Path) -> None:
