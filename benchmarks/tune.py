@@ -131,7 +131,7 @@ def _scaled(cost: Path, gpus: int, run_dir: Path) -> Path:
     data = yaml.safe_load(cost.read_text())
     data["time_scale"] = float(data.get("time_scale", 1.0)) * dilation(gpus)
     path = run_dir / cost.name
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    _write(path, yaml.safe_dump(data, sort_keys=False))  # shards write it side by side
     return path
 
 
@@ -284,7 +284,7 @@ def _same_settings(run_dir: Path, args: argparse.Namespace, model: str, gpus: in
     if {"slo": SLO[model], **before} != settings:
         raise SystemExit(f"{run_dir} was begun with {before}, not {settings}: "
                          "another --out, or the same options")
-    path.write_text(json.dumps(settings))
+    _write(path, settings)
 
 
 def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
@@ -356,10 +356,11 @@ class Progress:
         return sum(self.done[n][2] for n in names)
 
 
-def _write(path: Path, data: dict[str, Any]) -> None:
-    """Whole or not at all (a sitting may end anywhere)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+def _write(path: Path, data: dict[str, Any] | str) -> None:
+    """Whole or not at all (a sitting may end anywhere, a shard read it meanwhile): `data` as
+    JSON, or a text as it is."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(data if isinstance(data, str) else json.dumps(data, indent=1))
     tmp.replace(path)
 
 
