@@ -12,6 +12,7 @@ import click
 from epdctl.cli._app import App, pass_app
 from epdctl.cli._options import point_seconds_option
 from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.tune.decide import MAX_CONFIRM
 from epdctl.tune.search import KNEE_FACTORS, KNEE_STEP, KNEE_STEPS
 
 
@@ -53,7 +54,7 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
               help="Tokens generated per request.")
 @click.option("--budget", "budget", default="45m", show_default=True, metavar="DURATION",
               help="Stop confirming once this is spent (30m, 2h, seconds).")
-@click.option("--max-confirm", type=click.IntRange(2), default=4, show_default=True,
+@click.option("--max-confirm", type=click.IntRange(2), default=MAX_CONFIRM, show_default=True,
               help="Candidates confirmed with bench at most.")
 @click.option("--confirm-points", "confirm_points", type=click.IntRange(1, max(KNEE_FACTORS)),
               default=max(KNEE_FACTORS), show_default=True,

@@ -16,7 +16,14 @@ from epdctl.bench.workload import Workload
 from epdctl.errors import BenchError
 from epdctl.topology import Topology
 from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
-from epdctl.tune.decide import Decision, Measured, best_measured, corrected, next_step
+from epdctl.tune.decide import (
+    MAX_CONFIRM,
+    Decision,
+    Measured,
+    best_measured,
+    corrected,
+    next_step,
+)
 from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
@@ -48,7 +55,7 @@ class Settings:
     gpu_memory: int | None
     out_dir: Path
     budget_s: float = 45 * 60.0
-    max_confirm: int = 4
+    max_confirm: int = MAX_CONFIRM
     sim_requests: int = 300
 
 

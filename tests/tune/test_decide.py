@@ -6,6 +6,7 @@ import pytest
 
 from epdctl.bench.samples import Request, Round
 from epdctl.tune.decide import (
+    MAX_CONFIRM,
     Measured,
     attainment,
     best_measured,
@@ -71,6 +72,20 @@ def test_stops_after_max_confirm() -> None:
     step = next_step(PRED, measured, must=["agg"], elapsed_s=0, budget_s=100, cost_s=1,
                      max_confirm=2)
     assert step.stop and step.left_out == ("y", "z")
+
+
+def test_by_default_goes_on_past_four_while_one_could_still_win() -> None:
+    """The 8-GPU case: four confirmed alike, all far under their predictions and under the
+    aggregated one, and the fifth predicted could still beat it, so a fifth runs; at
+    MAX_CONFIRM it stops."""
+    many = [(f"c{i}", 18.0 - i / 10) for i in range(MAX_CONFIRM + 2)] + [("agg", 7.7)]
+    measured = {"agg": Measured("agg", 9.8), **{f"c{i}": Measured(f"c{i}", 8.4)
+                                                for i in range(4)}}
+    step = next_step(many, measured, must=["agg"], elapsed_s=0, budget_s=1000, cost_s=1)
+    assert (step.stop, step.next) == (False, "c4")
+    measured.update({f"c{i}": Measured(f"c{i}", 8.4) for i in range(MAX_CONFIRM - 1)})
+    step = next_step(many, measured, must=["agg"], elapsed_s=0, budget_s=1000, cost_s=1)
+    assert step.stop and str(MAX_CONFIRM) in step.reason
 
 
 def test_confirms_at_least_two() -> None:
