@@ -32,6 +32,9 @@ class Measured:
     samples: tuple[Round, ...] = ()
     """The per-request samples of its knee point (the highest rate before the first one that
     misses the SLO share), one Round per run of it: what is_better judges."""
+    above: tuple[Round, ...] = ()
+    """The samples of the rate just above the knee point (the first that misses): where two
+    knee points are at one rate, is_better judges there."""
 
 
 def attainment(figures: Mapping[str, float | int | None]) -> float | None:
@@ -52,6 +55,14 @@ def knee_rate(points: Sequence[tuple[float, float]], target: float = ATTAINMENT
             break
         best = rate
     return best
+
+
+def above_knee(points: Sequence[tuple[float, float]], target: float = ATTAINMENT
+               ) -> float | None:
+    """The rate just above the knee point (the first that misses `target`; None: none
+    misses, or even the lowest does)."""
+    at = knee_rate(points, target)
+    return None if at is None else min((r for r, _ in points if r > at), default=None)
 
 
 def knee(points: Sequence[tuple[float, float]], target: float = ATTAINMENT) -> float:
@@ -75,11 +86,21 @@ def is_better(a: Measured, b: Measured) -> bool | None:
 
     With both knee points' samples: bench's verdict (`judge`) on the goodput (good
     requests/s) of a's knee point over b's: better or worse only where its interval lies
-    wholly outside 5 % of 1. Only goodput is weighed: the two points run at different
-    rates, so their latencies do not compare. Else, with intervals, they must not overlap;
-    else one goodput must be MARGIN higher."""
+    wholly outside 5 % of 1. Only goodput is weighed: the two points may run at different
+    rates, so their latencies do not compare. Where both knee points are at one rate, both
+    carried the same arrivals with nearly every request good, so goodput there differs by
+    little more than how long the last requests took; the rate just above it (where both
+    ran it) decides first: the one that keeps more requests within the SLO there has the
+    higher knee (the grid's steps, ~19 %, are too coarse to tell 10 % apart by the knee
+    point). Else, with intervals, they must not overlap; else one goodput must be MARGIN
+    higher."""
     if a.samples and b.samples:
-        return _verdict(a, b)
+        if a.above and b.above and knee_rate(a.points) == knee_rate(b.points) \
+                and above_knee(a.points) == above_knee(b.points):
+            verdict = _verdict(a.name, a.above, b.name, b.above)
+            if verdict is not None:
+                return verdict
+        return _verdict(a.name, a.samples, b.name, b.samples)
     if a.low is not None and a.high is not None and b.low is not None \
             and b.high is not None:
         if a.low > b.high:
@@ -94,13 +115,12 @@ def is_better(a: Measured, b: Measured) -> bool | None:
     return None
 
 
-def _verdict(a: Measured, b: Measured) -> bool | None:
+def _verdict(a: str, mine: Sequence[Round], b: str, theirs: Sequence[Round]) -> bool | None:
     from epdctl.bench.stats import summarize
     from epdctl.bench.verdicts import Comparison, judge
 
-    mine = summarize(a.samples, True, VERDICT_SEED)
-    theirs = summarize(b.samples, True, VERDICT_SEED)
-    (verdict,) = judge([Comparison(0, "knee", a.name, b.name, mine, theirs)], has_slo=True)
+    (verdict,) = judge([Comparison(0, "knee", a, b, summarize(mine, True, VERDICT_SEED),
+                                   summarize(theirs, True, VERDICT_SEED))], has_slo=True)
     side = (verdict["figures"].get("request_goodput") or {}).get("side")
     return True if side == "better" else False if side == "worse" else None
 

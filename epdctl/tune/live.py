@@ -11,12 +11,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from epdctl.bench.samples import Round
 from epdctl.bench.workload import LoadPoint, Workload
 from epdctl.interrupts import unwinding
 from epdctl.state import RunState
 from epdctl.topology import Topology
 from epdctl.tune.candidates import Candidate, Shape
-from epdctl.tune.decide import Measured, attainment, knee, knee_rate
+from epdctl.tune.decide import Measured, above_knee, attainment, knee, knee_rate
 from epdctl.tune.probes import Bodies, Measurements, profile_running
 from epdctl.tune.profile import LEVELS
 from epdctl.tune.runner import Progress
@@ -142,10 +143,14 @@ class LiveConfirmer:
         points = tuple((rates[p.index], share) for p in run.points
                        if (share := attainment(p.figures)) is not None
                        and math.isfinite(rates[p.index]))
-        at = knee_rate(points)
-        samples = tuple(p.samples for p in run.points
-                        if p.samples is not None and at is not None and rates[p.index] == at)
-        return Measured(candidate.name, knee(points), points=points, samples=samples)
+        def samples_at(rate: float | None) -> tuple[Round, ...]:
+            return tuple(p.samples for p in run.points
+                         if p.samples is not None and rate is not None
+                         and rates[p.index] == rate)
+
+        return Measured(candidate.name, knee(points), points=points,
+                        samples=samples_at(knee_rate(points)),
+                        above=samples_at(above_knee(points)))
 
 
 def figures_of(measured: Measured) -> dict[str, Any]:

@@ -223,7 +223,8 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         cost_s = max(cost_s, clock() - t0)
         kept_runs[row.candidate.name] = {
             "goodput": row.measured.goodput, "points": [list(p) for p in row.measured.points],
-            "samples": [r.as_json() for r in row.measured.samples]}
+            "samples": [r.as_json() for r in row.measured.samples],
+            "above": [r.as_json() for r in row.measured.above]}
         _save(confirmed_path, store_key(settings), kept_runs)
         spent = clock() - started
         left = min(settings.budget_s - spent,
@@ -258,9 +259,11 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
 def _measured(name: str, entry: dict[str, Any]) -> Measured:
     """A confirmation kept in confirmed.json (its samples dropped if they cannot be read:
     is_better then falls back to the point estimates)."""
-    try:
-        samples = tuple(Round.from_json(r) for r in entry.get("samples") or ())
-    except BenchError:
-        samples = ()
+    def rounds(key: str) -> tuple[Round, ...]:
+        try:
+            return tuple(Round.from_json(r) for r in entry.get(key) or ())
+        except BenchError:
+            return ()
+
     return Measured(name, float(entry["goodput"]), points=tuple(map(tuple, entry["points"])),
-                    samples=samples)
+                    samples=rounds("samples"), above=rounds("above"))

@@ -13,6 +13,7 @@ import pytest
 from click.testing import Result
 
 from epdctl.topology import load_topology
+from epdctl.tune.decide import above_knee, knee_rate
 from epdctl.tune.model import ATTAINMENT
 from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS
 from tests.vllm_harness import free_ports
@@ -94,6 +95,10 @@ def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> 
     assert {c["bottleneck"] for c in doc["candidates"]} <= {"encode", "prefill_decode"}
     assert (out / "report.json").is_file() and "| # |" in (out / "report.md").read_text()
     assert set(json.loads((out / "profiles.json").read_text())["entries"]) == {"1E~1PD", "1PD"}
-    assert (out / "confirmed.json").is_file()
+    kept = json.loads((out / "confirmed.json").read_text())["entries"]
+    for entry in kept.values():  # the knee point's samples, and the rate above its
+        points = [tuple(p) for p in entry["points"]]
+        assert len(entry["samples"]) == (knee_rate(points) is not None), entry["points"]
+        assert len(entry["above"]) == (above_knee(points) is not None), entry["points"]
     assert load_topology(best).name == doc["best"]
 

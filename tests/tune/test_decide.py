@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from epdctl.bench.samples import Request, Round
 from epdctl.tune.decide import (
     MAX_CONFIRM,
     Measured,
+    above_knee,
     attainment,
     best_measured,
     corrected,
@@ -171,3 +174,31 @@ def test_the_best_measured_is_disaggregated_only_where_it_is_decided_to_beat_agg
     # Nothing aggregated measured: the highest goodput; nothing measured: None.
     assert best_measured([Measured("e-pd", 6.49), Measured("epd", 6.3)], KINDS).name == "e-pd"
     assert best_measured([], KINDS) is None
+
+
+def test_knee_points_at_one_rate_are_judged_at_the_rate_above() -> None:
+    """Both held 9.5 req/s (every request good); EPD's longer tail made its knee point's
+    goodput lower, but at 11.3 it kept 73 of 114 requests within the SLO, aggregated 21."""
+    points_epd = ((8.0, 1.0), (9.5, 1.0), (11.3, 73 / 114))
+    points_agg = ((8.0, 1.0), (9.5, 1.0), (11.3, 21 / 114))
+    assert above_knee(points_epd) == 11.3 and above_knee(((1.0, 1.0),)) is None
+    assert above_knee(((1.0, 0.5), (2.0, 0.2))) is None
+    knee_epd = (Round(15.9, 6.0, rounds(9.5, 96, n=96)[0].requests),)
+    knee_agg = (Round(13.0, 7.4, rounds(9.5, 96, n=96)[0].requests),)
+    epd = Measured("epd", 10.0, points=points_epd, samples=knee_epd,
+                   above=rounds(6.7, 73, n=114))
+    agg = Measured("agg", 9.7, points=points_agg, samples=knee_agg,
+                   above=rounds(9.6, 21, n=114))
+    assert is_better(epd, agg) is True and is_better(agg, epd) is False
+    assert best_measured([agg, epd], {"epd": "epd", "agg": "aggregated"}) is epd
+    # without the rate above, the knee points decide (and there aggregated is ahead)
+    assert is_better(replace(epd, above=()), agg) is False
+    # a tie above: the knee points decide
+    even = replace(epd, above=agg.above)
+    assert is_better(even, agg) is False
+    # knee points at different rates: those decide; the rate above is not looked at
+    low = replace(agg, points=((8.0, 1.0), (9.5, 0.5), (11.3, 0.1)),
+                  samples=(Round(15.9, 5.0, rounds(8.0, 80, n=80)[0].requests),),
+                  above=rounds(9.5, 48, n=96))
+    assert above_knee(low.points) == 9.5
+    assert is_better(replace(epd, above=rounds(1.0, 1, n=114)), low) is True

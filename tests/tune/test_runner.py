@@ -187,7 +187,9 @@ def test_a_rerun_decides_on_the_kept_samples(tmp_path: Path) -> None:
         got = confirm(candidate, knee)
         good = 40 if candidate.shape.kind == "e-pd" else 30
         reqs = tuple(Request(100.0, 20.0, 800.0, i < good) for i in range(40))
-        return replace(got, samples=(Round(40 / got.goodput, got.goodput, reqs),))
+        above = tuple(Request(100.0, 20.0, 800.0, i < good // 2) for i in range(50))
+        return replace(got, samples=(Round(40 / got.goodput, got.goodput, reqs),),
+                       above=(Round(50 / got.goodput, 50 / got.goodput, above),))
 
     first = tune(settings(tmp_path), profiler_calls([]), with_samples, Log(), Clock())
     kept: list[str] = []
@@ -206,6 +208,7 @@ def test_a_rerun_decides_on_the_kept_samples(tmp_path: Path) -> None:
     back = [_measured(name, e) for name, e in entries.items()]
     assert back and all(len(m.samples) == 1 and len(m.samples[0].requests) == 40
                         for m in back)
+    assert all(len(m.above) == 1 and len(m.above[0].requests) == 50 for m in back)
 
 
 def test_a_budget_spent_while_profiling_stops_it_there(tmp_path: Path) -> None:
