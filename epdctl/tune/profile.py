@@ -84,16 +84,32 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def decoding_beside(timings: Sequence[Timing]) -> list[float]:
+    """Per timing, how many of these were decoding beside it (itself included), on average
+    over its own decode (first token to last): the overlap of each one's span with its own,
+    over its own. Requests reach a decoder one after another (E and P before it batch and
+    split them), so this is the batch it decoded in, not the number sent."""
+    out = []
+    for t in timings:
+        span = t.end - t.first
+        out.append(sum(max(min(t.end, o.end) - max(t.first, o.first), 0.0) for o in timings)
+                   / span if span > 0 else 1.0)
+    return out
+
+
 @dataclass(frozen=True)
 class Series:
     """One stage's sweep: per level, the mean of what was timed (s)."""
 
     levels: tuple[int, ...]
     values: tuple[float, ...]
+    batch: tuple[float, ...] = ()
+    """Decode only: per level, the mean batch its requests decoded in (decoding_beside)."""
 
     def as_json(self) -> dict[str, Any]:
-        return {"levels": list(self.levels), "values_ms": [round(v * 1000, 4)
-                                                           for v in self.values]}
+        return {"levels": list(self.levels),
+                "values_ms": [round(v * 1000, 4) for v in self.values],
+                **({"batch": [round(b, 3) for b in self.batch]} if self.batch else {})}
 
 
 async def sweep(send: Send, url: str, body: Body, measure: Callable[[Timing], float | None],
@@ -128,13 +144,23 @@ async def profile_prefill(send: Send, url: str, body: Body, tokens: int,
 
 async def profile_decode(send: Send, url: str, body: Body,
                          levels: Sequence[int] = LEVELS) -> tuple[StepCost, Series]:
-    """A streamed request's time per output token: fixed + per_seq x requests in flight
-    (context at the workload's lengths folded in). One round per level, all started at
-    once: their prefills share the first step, and every later step only decodes (in a
-    closed loop, newcomers' prefills would mix into the timed steps, which the queue model
-    counts on its own)."""
-    series = await sweep(send, url, body, lambda t: t.tpot, levels, rounds=1)
-    fixed, per_seq = fit_line(series.levels, series.values)
+    """A streamed request's time per output token: fixed + per_seq x the batch it decoded in
+    (context at the workload's lengths folded in). One round per level, all sent at once:
+    their prefills share the first steps, and every later step only decodes (in a closed
+    loop, newcomers' prefills would mix into the timed steps, which the queue model counts
+    on its own). The batch is measured, not the level (decoding_beside): sent together
+    through E and P, 8 requests reached a D one after another over ~2 s and decoded ~4.6 at
+    a time, and fitted against the level, per_seq came out at half the truth."""
+    values, batches = [], []
+    start = 0
+    for level in levels:
+        timings = await closed_loop(send, url, body, level, rounds=1, start=start)
+        start += level
+        streamed = [t for t in timings if t.tpot is not None]
+        values.append(mean([t.tpot for t in streamed if t.tpot is not None]))
+        batches.append(mean(decoding_beside(streamed)) or float(level))
+    series = Series(tuple(levels), tuple(values), tuple(batches))
+    fixed, per_seq = fit_line(series.batch, series.values)
     return StepCost(fixed_ms=fixed * 1000, per_seq_ms=per_seq * 1000), series
 
 

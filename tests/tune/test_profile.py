@@ -18,6 +18,7 @@ from epdctl.tune.profile import (
     Timing,
     closed_loop,
     combine,
+    decoding_beside,
     fit_line,
     profile_decode,
     profile_encode,
@@ -152,3 +153,40 @@ def test_pd_pays_the_prefill_fixed_cost_only_on_steps_that_prefill() -> None:
     assert pd.ms(0, 100, 4, 0) == pytest.approx(50.0 + 10.0 + 4.0)  # the larger one
     assert combine(StepCost(fixed_ms=5.0), StepCost(fixed_ms=10.0)).ms(0, 100, 0, 0) \
         == pytest.approx(10.0)
+
+
+def test_decode_is_fitted_against_the_batch_it_decoded_in() -> None:
+    """Requests reach a decoder one after another (E and P before it), so a level of 8 never
+    decodes 8 at a time; each one's step time follows the batch it actually decoded in.
+    Fitted against the level, per_seq came out well under the truth."""
+    fixed, per_seq, gap, tokens = 0.060, 0.002, 0.3, 16
+    levels = (1, 2, 4, 8)
+    starts = {sum(levels[:i]): level for i, level in enumerate(levels)}
+
+    def level_timings(level: int) -> list[Timing]:
+        firsts = [k * gap for k in range(level)]
+        spans = [(tokens - 1) * fixed] * level
+        for _ in range(50):  # each span from the batch the spans give it
+            got = [Timing(0.0, f, f + s, tokens) for f, s in zip(firsts, spans, strict=True)]
+            spans = [(tokens - 1) * (fixed + per_seq * b) for b in decoding_beside(got)]
+        return got
+
+    async def send(url: str, b: dict[str, Any]) -> Timing:
+        first = max(s for s in starts if s <= b["n"])
+        return level_timings(starts[first])[b["n"] - first]
+
+    cost, series = asyncio.run(profile_decode(send, "d", lambda n: {"n": n}, levels))
+    assert series.batch[0] == 1.0 and series.batch[-1] < 6  # 8 sent, fewer at a time
+    assert cost.per_seq_ms == pytest.approx(per_seq * 1000, rel=0.02)
+    assert cost.fixed_ms == pytest.approx(fixed * 1000, rel=0.02)
+    assert series.as_json()["batch"] == [round(b, 3) for b in series.batch]
+    by_level = fit_line(series.levels, series.values)[1] * 1000
+    assert by_level < 0.8 * per_seq * 1000  # what fitting against the level gave
+
+
+def test_decoding_beside() -> None:
+    together = [Timing(0.0, 1.0, 2.0, 5)] * 3
+    assert decoding_beside(together) == [3.0, 3.0, 3.0]
+    apart = [Timing(0.0, 0.0, 1.0, 5), Timing(0.0, 0.5, 1.5, 5), Timing(0.0, 2.0, 3.0, 5)]
+    assert decoding_beside(apart) == [1.5, 1.5, 1.0]
+    assert decoding_beside([Timing(0.0, 1.0, 1.0, 1)]) == [1.0]
