@@ -113,14 +113,20 @@ class Series:
 
 
 async def sweep(send: Send, url: str, body: Body, measure: Callable[[Timing], float | None],
-                levels: Sequence[int] = LEVELS, rounds: int = ROUNDS) -> Series:
-    values = []
+                levels: Sequence[int] = LEVELS, rounds: int = ROUNDS,
+                batch: Callable[[Sequence[Timing]], float] | None = None) -> Series:
+    """Per level, the mean of `measure` over the timings it measures; with `batch`, also
+    what it makes of those timings (0: the level)."""
+    values, batches = [], []
     start = 0
     for level in levels:
         timings = await closed_loop(send, url, body, level, rounds, start)
         start += level * rounds
-        values.append(mean([v for t in timings if (v := measure(t)) is not None]))
-    return Series(tuple(levels), tuple(values))
+        timed = [(t, v) for t in timings if (v := measure(t)) is not None]
+        values.append(mean([v for _, v in timed]))
+        if batch is not None:
+            batches.append(batch([t for t, _ in timed]) or float(level))
+    return Series(tuple(levels), tuple(values), tuple(batches))
 
 
 async def profile_encode(send: Send, url: str, body: Body,
@@ -151,15 +157,8 @@ async def profile_decode(send: Send, url: str, body: Body,
     on its own). The batch is measured, not the level (decoding_beside): sent together
     through E and P, 8 requests reached a D one after another over ~2 s and decoded ~4.6 at
     a time, and fitted against the level, per_seq came out at half the truth."""
-    values, batches = [], []
-    start = 0
-    for level in levels:
-        timings = await closed_loop(send, url, body, level, rounds=1, start=start)
-        start += level
-        streamed = [t for t in timings if t.tpot is not None]
-        values.append(mean([t.tpot for t in streamed if t.tpot is not None]))
-        batches.append(mean(decoding_beside(streamed)) or float(level))
-    series = Series(tuple(levels), tuple(values), tuple(batches))
+    series = await sweep(send, url, body, lambda t: t.tpot, levels, rounds=1,
+                         batch=lambda timings: mean(decoding_beside(timings)))
     fixed, per_seq = fit_line(series.batch, series.values)
     return StepCost(fixed_ms=fixed * 1000, per_seq_ms=per_seq * 1000), series
 

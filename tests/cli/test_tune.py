@@ -96,7 +96,7 @@ def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> 
     assert (out / "report.json").is_file() and "| # |" in (out / "report.md").read_text()
     assert set(json.loads((out / "profiles.json").read_text())["entries"]) == {"1E~1PD", "1PD"}
     kept = json.loads((out / "confirmed.json").read_text())["entries"]
-    for entry in kept.values():  # the knee point's samples, and the rate above its
+    for entry in kept.values():  # the knee point's samples, and the rate above it's
         points = [tuple(p) for p in entry["points"]]
         assert len(entry["samples"]) == (knee_rate(points) is not None), entry["points"]
         assert len(entry["above"]) == (above_knee(points) is not None), entry["points"]
