@@ -167,6 +167,76 @@ def _init_weights(model: Any) -> None:
                 param.fill_(1.0)  # norm scales
 
 
+IDENTITY_DIMS = 96
+"""The language model's first hidden dims, where the current token's identity lives."""
+QUERY_GAIN = 4.0
+"""Sharper attention: the last prompt token's context leans on fewer positions, so the
+first answer token follows the image more often (24 of 30 images choose apart, against 18)."""
+IDENTITY_NORM = 100.0
+"""The identity part's norm in a chain token's embedding: the layers' writes (to the other
+dims) stay a small fraction of it, so the final norm's scale hardly moves."""
+
+
+def chain_tokens(tokenizer: Any) -> list[int]:
+    """The tokens greedy decoding walks between, each to its successor: all but the
+    special tokens and the whitespace-only ones (the chat template's last prompt token is
+    "\n", so the first answer token is the context's choice)."""
+    vocab = tokenizer.get_vocab()
+    outside = {i for t, i in vocab.items()
+               if t.startswith("<|") or t == "<image>" or not t.strip("\u010a\u0109\u0120")}
+    return sorted(i for i in vocab.values() if i not in outside)
+
+
+def _decisive(model: Any, tokenizer: Any) -> None:
+    """Make every greedy choice decisive, and the first one the image's (the prompt's).
+
+    A random-weight LM has near-tied logits: over hundreds of tokens some step's top two
+    differ by less than the float noise between batch shapes, or between a prefix
+    prefilled at once and decoded token by token, and the argmax flips (answers that
+    should be equal are not, one run in a few). So the language model is built as a
+    chain with a context-chosen start:
+
+    - hidden dims [0, IDENTITY_DIMS) hold the current token: a chain token's embedding
+      there is IDENTITY_NORM times a random unit vector u_t; no layer writes there (the
+      attention and MLP output rows are zero), so the final hidden state keeps it;
+    - the LM head's identity columns score token s by u_pred(s), its predecessor in a
+      fixed random permutation of the chain tokens: after a chain token t, succ(t) leads
+      every other token by about sqrt(hidden) * (1 - max cosine) ~ 6 logits, while the
+      context (the other dims, scaled down by the identity part's norm) moves logits by
+      well under 0.1;
+    - special and whitespace-only tokens have no identity part: after one (the prompt's
+      closing "\n") the context alone chooses, through the random layers that read the
+      image and the text; that first choice is where the answer depends on the input.
+
+    tests/e2e/test_tiny_models.py measures the margins through vLLM's logprobs."""
+    import torch
+
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    vocab = emb.shape[0]
+    chain = chain_tokens(tokenizer)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    order = torch.randperm(len(chain), generator=gen).tolist()
+    pred = {chain[order[i]]: chain[i] for i in range(len(chain))}
+    units = torch.randn(vocab, IDENTITY_DIMS, generator=gen)
+    units /= units.norm(dim=1, keepdim=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" not in name:
+                continue
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param[:IDENTITY_DIMS] = 0
+            elif name.endswith("q_proj.weight"):
+                param *= QUERY_GAIN
+        chained = set(chain)
+        for token in range(vocab):
+            if token in chained:
+                emb[token, :IDENTITY_DIMS] = IDENTITY_NORM * units[token]
+            else:
+                emb[token, :IDENTITY_DIMS] = 0
+            head[token, :IDENTITY_DIMS] = units[pred[token]] if token in pred else 0
+
+
 def _save_weights(model: Any, out: Path, rename: Callable[[str], str] = lambda k: k) -> None:
     from safetensors.torch import save_file
 
@@ -217,6 +287,7 @@ def _llava(out: Path) -> None:
     torch.manual_seed(SEED)
     model = LlavaForConditionalGeneration(config).float()
     _init_weights(model)
+    _decisive(model, tokenizer)
     _write_config(config, out, "LlavaForConditionalGeneration")
     # transformers 5 writes vision_tower.embeddings.*; vLLM's loader wants vision_model.*.
     _save_weights(model, out, lambda k: k.replace("vision_tower.", "vision_tower.vision_model.")
@@ -267,6 +338,7 @@ def _qwen2vl(out: Path) -> None:
     torch.manual_seed(SEED)
     model = Qwen2VLForConditionalGeneration(config).float()
     _init_weights(model)
+    _decisive(model, tokenizer)
     _write_config(config, out, "Qwen2VLForConditionalGeneration")
     _save_weights(model, out)
     processor = Qwen2VLProcessor(
@@ -320,6 +392,7 @@ def _qwen2audio(out: Path) -> None:
     torch.manual_seed(SEED)
     model = Qwen2AudioForConditionalGeneration(config).float()
     _init_weights(model)
+    _decisive(model, tokenizer)
     _write_config(config, out, "Qwen2AudioForConditionalGeneration")
     _save_weights(model, out, audio_weight_name)
     processor = Qwen2AudioProcessor(

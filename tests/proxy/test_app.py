@@ -9,6 +9,7 @@ import pytest
 
 from tests.proxy.fakes import MODEL
 from tests.proxy.vllm_like import CARD, VllmLike
+from tests.waits import until
 
 pytestmark = pytest.mark.anyio
 
@@ -40,8 +41,7 @@ async def test_in_flight_bound_answers_503_with_retry_after(rig_factory):
 
     rig.fakes.then("pd0", held, held)
     first = [asyncio.create_task(rig.chat("hi")) for _ in range(2)]
-    while rig.proxy.inflight < 2:
-        await asyncio.sleep(0.01)
+    await until(lambda: rig.proxy.inflight == 2, "both requests in flight")
     r = await rig.chat("hi")
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"] == {"message": "The proxy is at its in-flight limit; retry later",

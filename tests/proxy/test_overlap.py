@@ -17,10 +17,10 @@ from epdctl.proxy.media import content_key
 from tests.proxy.fakes import PNG, Fakes, Seen, image_part
 from tests.proxy.test_skip import NAMESPACE
 from tests.proxy.test_skip import with_store as with_plain_store
+from tests.waits import until
 
 pytestmark = pytest.mark.anyio
 OTHER = PNG + b"other"  # another image: a miss in the store
-WAIT_S = 10.0  # an upper bound for an observed event, never a duration a test relies on
 
 
 def with_store(rig_factory, store: Store, fakes: Fakes | None = None, **kwargs):
@@ -32,14 +32,6 @@ def with_store(rig_factory, store: Store, fakes: Fakes | None = None, **kwargs):
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
     return Store(tmp_path, NAMESPACE).create()
-
-
-async def until(predicate: Any, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.005)
 
 
 def e_after_pd(fakes: Fakes, store: Store, key: str, seen_marks: list[float | None],

@@ -17,6 +17,7 @@ from epdctl.logs.journey import find
 from epdctl.proxy.replay import MAX_REPLAYS
 from epdctl.proxy.resume import ENGINE_DEAD
 from tests.proxy.fakes import MODEL, STREAM, Seen, chat_chunk, sse, sse_response
+from tests.waits import until
 
 pytestmark = pytest.mark.anyio
 DEAD = {"error": {"message": ENGINE_DEAD.decode(), "type": "InternalServerError",
@@ -354,8 +355,8 @@ async def test_never_twice_onto_the_same_dead_instance(rig_factory):
 
 async def _until_waiting(rig) -> None:
     """Until a request waits for an instance to come back (the replayer's own future)."""
-    while not any(not waiter.done() for waiter in rig.proxy.upstreams.revived):
-        await asyncio.sleep(0)
+    await until(lambda: any(not waiter.done() for waiter in rig.proxy.upstreams.revived),
+                "a request waiting for an instance", poll_s=0)
 
 
 @pytest.mark.parametrize("when", ["before", "mid-stream"])

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.proxy.fakes import MODEL, STREAM, chat_chunk, image_part, sse
+from tests.waits import until
 
 pytestmark = pytest.mark.anyio
 
@@ -96,8 +97,7 @@ async def test_disconnect_during_encode_cancels_the_sub_requests(rig_factory):
     client = Client(rig.app, {"model": MODEL, "messages": [{"role": "user", "content": [
         image_part(), image_part(b"other")]}]})
     task = client.start()
-    while len(started) < 2:
-        await asyncio.sleep(0.01)
+    await until(lambda: len(started) == 2, "both encoders reached")
     client.gone.set()
     await asyncio.wait_for(task, 2)
     assert len(cancelled) == 2 and sorted(cancelled) == sorted(started)

@@ -1,0 +1,21 @@
+"""Waiting in a test: on an observed event, with a deadline, never a fixed duration."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+WAIT_S = 10.0
+"""Long enough for an event on a loaded 2-core machine; a test that waits longer is broken."""
+
+
+async def until(predicate: Callable[[], object], what: str, timeout_s: float = WAIT_S,
+                poll_s: float = 0.005) -> None:
+    """Until `predicate()` is true, polling on the running loop; fails naming `what` once
+    `timeout_s` has gone by (a regression then fails in seconds instead of hanging CI)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened within {timeout_s:g}s: {what}")
+        await asyncio.sleep(poll_s)
