@@ -30,6 +30,21 @@ def _no_epdctl_env_left() -> Iterator[None]:
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         pytest.fail(f"the test left the environment changed: {changed}")
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """An async test's deadline ends the run with every thread's stack (pytest-timeout's
+    "thread" method): the "signal" method raises inside the event loop, whose teardown
+    can then hang past any deadline. Sync tests keep "signal" (they fail, the run goes on,
+    their topologies are taken down). The test's own timeout, if it has one, is kept."""
+    for item in items:
+        if item.get_closest_marker("anyio") is None:
+            continue
+        marker = item.get_closest_marker("timeout")
+        seconds = None
+        if marker is not None:
+            seconds = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+        item.add_marker(pytest.mark.timeout(seconds, method="thread"))
+
+
 FAKE_SERVER = Path(__file__).parent / "fake_server.py"
 FAKE_PROXY = shlex.join([sys.executable, str(FAKE_SERVER)])
 

@@ -7,7 +7,9 @@ here a request is one write of prebuilt bytes and a parser callback per event. P
 routes, media fetches and health probes (rare, and needing redirects, decompression, any
 method) stay on the aiohttp session (client_aiohttp).
 
-Timeouts are the callers' (every stage runs under its own deadline); a connection is pooled
+Every stage runs under its own deadline; beside it, each wait for the instance's next bytes
+(its answer's head, then each piece of the body) ends after `read_timeout_s` with an
+UpstreamError "timeout", as httpx's read timeout does. A connection is pooled
 again only after a whole answer that allows it (never after a 5xx: uvicorn may close it
 without saying so) and kept for at most `keepalive_s` (below vLLM's 5 s). A pooled connection
 the instance closed meanwhile, found dead before any byte of its answer, is replaced once.
@@ -88,10 +90,11 @@ class _Conn(asyncio.Protocol):
 class RawReply:
     """An answer on a pooled connection, behind the Reply interface."""
 
-    def __init__(self, pool: _Pool, conn: _Conn, stage: str) -> None:
+    def __init__(self, pool: _Pool, conn: _Conn, stage: str, read_timeout_s: float) -> None:
         self._pool = pool
         self._conn = conn
         self._stage = stage
+        self._read_s = read_timeout_s
         self.status = 0
         self.content_type = "application/json"
         self.raw_headers: list[tuple[bytes, bytes]] = []
@@ -150,8 +153,22 @@ class RawReply:
         self._wake()
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
-        await self._waiter
+        """Until the connection has news; UpstreamError "timeout" after `read_timeout_s`
+        without any (the connection is then closed: its answer can no longer be read)."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(self._read_s, self._timed_out, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+
+    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
+        if waiter.done():
+            return
+        detail = f"no byte from the instance in {self._read_s:g}s"
+        waiter.set_exception(UpstreamError(self._stage, self._pool.base, "timeout", detail))
+        self._conn.abort(TimeoutError(detail))  # not a clean close: never a whole answer
 
     async def _head_ready(self) -> None:
         while not self._has_begun:
@@ -275,7 +292,7 @@ class RawUpstream(AiohttpUpstream):
                     kind = "timeout" if isinstance(exc, TimeoutError) else "unavailable"
                     detail = f"{type(exc).__name__}: {exc}".rstrip(": ")
                     raise UpstreamError(stage, base, kind, detail) from None
-            reply = conn.reply = RawReply(pool, conn, stage)
+            reply = conn.reply = RawReply(pool, conn, stage, read_timeout_s)
             assert conn.transport is not None
             conn.transport.write(request)
             if is_large:

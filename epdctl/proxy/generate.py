@@ -184,7 +184,7 @@ class Generator:
         """
         stage = self.decode_stage
         trace.instances[stage] = inst.url
-        headers = upstream_headers(trace.rid)
+        headers = upstream_headers(trace.rid, is_main=True)
         payload = body if isinstance(body, bytes) else dumps(body)
         timeout_s = self.config.decode_timeout_s
         started = time.perf_counter()

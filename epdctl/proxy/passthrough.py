@@ -18,6 +18,7 @@ from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.generate import ATTEMPTS, Answer, StageFailed, next_attempt, relay
 from epdctl.proxy.metrics import Metrics
+from epdctl.proxy.routing import header_id
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Instance, Upstreams
 
@@ -36,7 +37,7 @@ def forwarded_headers(scope_headers: list[tuple[bytes, bytes]], rid: str) -> dic
     out = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope_headers
            if name not in REQUEST_DROP}
     out["accept-encoding"] = "identity"
-    out["x-request-id"] = rid
+    out["x-request-id"] = header_id(rid)
     return out
 
 

@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from epdctl.proxy import jsonio
 from epdctl.proxy.errors import ProxyError, bad_request
@@ -71,10 +72,27 @@ def is_stream(body: dict[str, Any]) -> bool:
     return bool(lax_bool(body.get("stream"), "stream"))
 
 
-def upstream_headers(child_id: str) -> dict[str, str]:
-    """Headers of a sub-request; identity encoding, because the proxy relays raw bytes."""
-    return {"content-type": "application/json", "accept-encoding": "identity",
-            "x-request-id": child_id}
+_ID_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+
+
+def header_id(rid: str) -> str:
+    """`rid` as an x-request-id header value: as it is when ASCII, else percent-encoded
+    (UTF-8). A body's request_id may be any printable text (CJK, emoji) and vLLM takes it,
+    but a header is bytes: encoded as it came, it fails the client or turns to mojibake."""
+    return rid if rid.isascii() else quote(rid, safe=_ID_SAFE)
+
+
+def upstream_headers(child_id: str, *, is_main: bool = False) -> dict[str, str]:
+    """Headers of a sub-request; identity encoding, because the proxy relays raw bytes.
+
+    x-request-id names the sub-request in vLLM (it takes precedence over the body's
+    request_id). The request that gives the client its answer (`is_main`) goes without one
+    when its id is not ASCII: vLLM then names the answer by the body's request_id, as it
+    does without the proxy."""
+    headers = {"content-type": "application/json", "accept-encoding": "identity"}
+    if not is_main or child_id.isascii():
+        headers["x-request-id"] = header_id(child_id)
+    return headers
 
 
 def parse_body(raw: bytes, route: str, models: tuple[str, ...]) -> dict[str, Any]:

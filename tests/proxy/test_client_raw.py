@@ -232,6 +232,32 @@ async def test_a_cancelled_post_drops_its_connection(rig):
     assert server.connections == 2
 
 
+@pytest.mark.parametrize("when", ["head", "body"])
+async def test_an_instance_silent_past_the_read_timeout_is_a_timeout(rig, when):
+    """`read_timeout_s` bounds each wait for the instance's next bytes (as httpx's read
+    timeout): no head, or a body that stops coming, ends in UpstreamError "timeout" and the
+    connection is dropped; the next POST goes out on a fresh one."""
+    server, upstream, base = rig
+
+    async def silent(writer: asyncio.StreamWriter) -> None:
+        if when == "body":
+            writer.write(answer(b"x" * 100)[:-50])
+            await writer.drain()
+        await asyncio.Event().wait()  # then nothing more
+
+    server.script.append(silent)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    with pytest.raises(UpstreamError) as err:
+        reply = await upstream.post(base, "/tokenize", b"{}", HEADERS, 0.2, "prefill_decode")
+        assert when == "body" and reply.status == 200
+        await reply.read()
+    assert err.value.kind == "timeout" and "0.2s" in str(err.value)
+    assert 0.2 <= loop.time() - began < 5
+    await (await post(upstream, base)).close()
+    assert server.connections == 2
+
+
 async def test_an_idle_connection_past_keepalive_is_not_reused(rig):
     server, _, base = rig
     upstream = RawUpstream(None, 5.0, keepalive_s=0.0)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -151,6 +152,32 @@ def test_openai_client_through_the_proxy_process(proxy):
     while line not in log.read_text():
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("rid", ["请求-1", "req-😀"])
+def test_a_body_request_id_in_any_script_is_answered(proxy, rid):
+    """vLLM takes any printable body `request_id` and names its answer by it; through the
+    proxy too (text, image, streamed), never a 500 from a header that cannot be encoded.
+    The answering instance gets the body's id as sent and no x-request-id (which would
+    rename the answer); E gets a child id, percent-encoded, in its header."""
+    base, _ = proxy
+    headers = {"authorization": f"Bearer {KEY}"}
+    for content, stream in [("hi", False), ([{"type": "text", "text": "what?"}, image_part()],
+                                            False), ("hi", True)]:
+        _Upstream.seen = []
+        body = {"model": MODEL, "request_id": rid, "stream": stream,
+                "messages": [{"role": "user", "content": content}]}
+        r = httpx.post(base + "/v1/chat/completions", headers=headers, json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        assert (r.text == STREAM.decode()) if stream else (
+            r.json()["choices"][0]["message"]["content"] == "Hello from PD")
+        sent = {role: (hdrs, seen_body) for role, hdrs, seen_body in _Upstream.seen}
+        pd_headers, pd_body = sent["prefill_decode"]
+        assert pd_body["request_id"] == rid
+        assert "x-request-id" not in {k.lower() for k in pd_headers}
+        if "encode" in sent:
+            e_headers = {k.lower(): v for k, v in sent["encode"][0].items()}
+            assert e_headers["x-request-id"] == quote(rid, safe="-") + ":enc0"
 
 
 def test_process_maps_timeouts_to_504(proxy):
