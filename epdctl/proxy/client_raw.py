@@ -31,6 +31,12 @@ from epdctl.proxy.errors import UpstreamError
 
 SEPARATE_BODY_BYTES = 1 << 20
 """Bodies from this size on are written after their head, not joined to it (a copy)."""
+WRITE_SLICE = 1 << 18
+"""A large body goes out in slices this size, each once the transport has room (its
+buffer under the high-water mark): never copied whole into the transport's buffer."""
+MAX_CONNECTIONS = 256
+"""Connections open to one instance at most, in use and idle: a request beyond them waits
+for one (under its stage's deadline), so a burst cannot open thousands of sockets."""
 PAUSE_BYTES = 1 << 20
 """A streamed answer's bytes held unread from this size on: the connection stops reading
 (the instance's socket fills, TCP slows it) until the reader takes them."""
@@ -38,15 +44,38 @@ PAUSE_BYTES = 1 << 20
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; `reply` is the answer being read on it, if any."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: _Pool) -> None:
+        self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.reply: RawReply | None = None
         self.is_closed = False
         self.idle_since = 0.0
+        self._room: asyncio.Future[None] | None = None  # set while writing is paused
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    # write flow control (the transport calls these around its high-water mark)
+    def pause_writing(self) -> None:
+        if self._room is None:
+            self._room = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
+
+    async def write_body(self, body: bytes) -> None:
+        """`body` in slices, each once the transport has room; ConnectionResetError if the
+        connection is lost meanwhile."""
+        view = memoryview(body)
+        for start in range(0, len(view), WRITE_SLICE):
+            if self.is_closed or self.transport is None:
+                raise ConnectionResetError("connection lost while the body was written")
+            self.transport.write(view[start:start + WRITE_SLICE])
+            if self._room is not None:
+                await asyncio.shield(self._room)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -59,6 +88,11 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.is_closed = True
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_exception(exc or ConnectionResetError("connection closed by the instance"))
+            room.exception()  # retrieved: nobody may be waiting on it
+        self.pool.lost_one()
         if self.reply is not None:
             self.reply._lost(exc)
 
@@ -218,9 +252,10 @@ class RawReply:
 
 
 class _Pool:
-    """The idle keep-alive connections to one instance."""
+    """The connections to one instance: at most `limit` open, the idle ones kept for
+    `keepalive_s` (closed then, whether or not another request comes)."""
 
-    def __init__(self, base: str, keepalive_s: float) -> None:
+    def __init__(self, base: str, keepalive_s: float, limit: int = MAX_CONNECTIONS) -> None:
         url = urlsplit(base)
         self.base = base
         self.host = url.hostname or "127.0.0.1"
@@ -228,6 +263,10 @@ class _Pool:
         self.host_header = f"host: {url.netloc}\r\n".encode("latin-1")
         self.keepalive_s = keepalive_s
         self.idle: deque[_Conn] = deque()  # the most recently used last
+        self.open = 0  # connections open or being opened, in use and idle
+        self.limit = limit
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._sweep: asyncio.TimerHandle | None = None
 
     def idle_conn(self) -> _Conn | None:
         """The most recently used live connection, dropping any past keep-alive."""
@@ -239,20 +278,77 @@ class _Pool:
             conn.abort()
         return None
 
+    async def acquire(self, is_fresh: bool = False) -> _Conn | None:
+        """An idle connection (unless `is_fresh`), or None with a place reserved to open a
+        new one; waits while MAX_CONNECTIONS are open and none is idle."""
+        while True:
+            conn = None if is_fresh else self.idle_conn()
+            if conn is not None:
+                return conn
+            if self.open < self.limit:
+                self.open += 1
+                return None
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+                    self._wake()  # pass a wake-up this waiter will not use on
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
     async def connect(self, timeout_s: float) -> _Conn:
+        """A new connection, in the place `acquire` reserved."""
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(timeout_s):
-            _, conn = await loop.create_connection(_Conn, self.host, self.port)
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, conn = await loop.create_connection(lambda: _Conn(self), self.host,
+                                                       self.port)
+        except BaseException:
+            self.lost_one()
+            raise
         return conn
+
+    def lost_one(self) -> None:
+        """A connection closed (or never opened): its place goes to a waiter."""
+        self.open -= 1
+        self._wake()
 
     def release(self, conn: _Conn) -> None:
         now = conn.idle_since = time.monotonic()
+        self._drop_expired(now)
+        self.idle.append(conn)
+        self._wake()
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self.keepalive_s,
+                                                                self._sweep_idle)
+
+    def _drop_expired(self, now: float) -> None:
         idle = self.idle
         while idle and (idle[0].is_closed or now - idle[0].idle_since >= self.keepalive_s):
             idle.popleft().abort()  # the oldest, unused past keep-alive (or closed by now)
-        idle.append(conn)
+
+    def _sweep_idle(self) -> None:
+        """Close what stayed idle past keep-alive even when no request comes again."""
+        now = time.monotonic()
+        self._drop_expired(now)
+        self._sweep = None
+        if self.idle:
+            due = self.idle[0].idle_since + self.keepalive_s - now
+            self._sweep = asyncio.get_running_loop().call_later(max(due, 0.01),
+                                                                self._sweep_idle)
 
     def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn in self.idle:
             conn.abort()
         self.idle.clear()
@@ -262,9 +358,10 @@ class RawUpstream(AiohttpUpstream):
     """POSTs over the proxy's own pools; request, fetch and probe through aiohttp."""
 
     def __init__(self, session: object, connect_timeout_s: float, api_key: str | None = None,
-                 keepalive_s: float = 2.0) -> None:
+                 keepalive_s: float = 2.0, max_connections: int = MAX_CONNECTIONS) -> None:
         super().__init__(session, connect_timeout_s, api_key)  # type: ignore[arg-type]
         self._keepalive_s = keepalive_s
+        self._limit = max_connections
         self._pools: dict[str, _Pool] = {}
 
     async def post(  # type: ignore[override]
@@ -272,7 +369,7 @@ class RawUpstream(AiohttpUpstream):
             read_timeout_s: float, stage: str) -> RawReply:
         pool = self._pools.get(base)
         if pool is None:
-            pool = self._pools[base] = _Pool(base, self._keepalive_s)
+            pool = self._pools[base] = _Pool(base, self._keepalive_s, self._limit)
         head = [f"POST {path} HTTP/1.1\r\n".encode("latin-1"), pool.host_header,
                 b"content-length: %d\r\n" % len(body)]
         head += [f"{k}: {v}\r\n".encode("latin-1")
@@ -283,7 +380,7 @@ class RawUpstream(AiohttpUpstream):
         request = b"".join((*head, b"\r\n")) if is_large else b"".join((*head, b"\r\n", body))
         is_fresh = False
         while True:
-            conn = None if is_fresh else pool.idle_conn()
+            conn = await pool.acquire(is_fresh)
             is_reused = conn is not None
             if conn is None:
                 try:
@@ -295,9 +392,9 @@ class RawUpstream(AiohttpUpstream):
             reply = conn.reply = RawReply(pool, conn, stage, read_timeout_s)
             assert conn.transport is not None
             conn.transport.write(request)
-            if is_large:
-                conn.transport.write(body)
             try:
+                if is_large:
+                    await conn.write_body(body)
                 await reply._head_ready()
             except (OSError, httptools.HttpParserError) as exc:
                 conn.abort()

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 Mode = Literal["epd", "e-pd", "p-d", "pd"]
 """How a topology is orchestrated (state.json, `status`), one spelling; MODE_LABEL for people."""
@@ -124,6 +125,10 @@ class ProxyConfig:
             raise ValueError("--prefill-decode cannot be combined with --prefill/--decode")
         if not self.prefill_decode and not self.prefill:
             raise ValueError("give --prefill-decode, or --prefill and --decode")
+        for flag, urls in (("--encode", self.encode), ("--prefill-decode", self.prefill_decode),
+                           ("--prefill", self.prefill), ("--decode", self.decode)):
+            for url in urls:
+                _check_instance_url(flag, url)
         if self.ec_protocol not in ("shared", "mooncake"):
             raise ValueError(f"unknown EC protocol `{self.ec_protocol}`")
         if bool(self.store_dir) != bool(self.namespace):
@@ -232,6 +237,21 @@ class ProxyConfig:
         if self.upstream_api_key:
             env[UPSTREAM_KEY_ENV] = self.upstream_api_key
         return env
+
+
+def _check_instance_url(flag: str, url: str) -> None:
+    """An instance's base URL is http://host[:port][/path]: the proxy's upstream clients
+    speak plain HTTP/1.1 (an https URL would go out as plain text to port 443)."""
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        raise ValueError(f"{flag} {url}: https is not supported to instances; the proxy "
+                         "speaks plain HTTP to them (use http://, on a trusted network)")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"{flag} {url}: expected http://host:port")
+    try:
+        parts.port  # noqa: B018  (raises on a port that is not a number in range)
+    except ValueError:
+        raise ValueError(f"{flag} {url}: the port is not a number from 0 to 65535") from None
 
 
 def defaults() -> dict[str, Any]:

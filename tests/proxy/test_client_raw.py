@@ -11,8 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from epdctl.proxy import client_raw
 from epdctl.proxy.client_raw import RawUpstream
 from epdctl.proxy.errors import UpstreamError
+from tests.waits import until
 
 pytestmark = pytest.mark.anyio
 HEADERS = {"content-type": "application/json", "x-request-id": "r1"}
@@ -32,6 +34,7 @@ class Server:
         self.script: list[bytes | Callable[[asyncio.StreamWriter], Any]] = []
         self.requests: list[bytes] = []
         self.connections = 0
+        self.closed = 0  # connections the client closed (or this server did)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -53,6 +56,7 @@ class Server:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self.closed += 1
             writer.close()
 
 
@@ -305,3 +309,69 @@ async def test_a_stream_the_reader_lags_on_is_held_under_the_pause_size(rig):
     assert b"".join(got) == body
     assert wrote_all.is_set() and transport.is_reading()
     await reply.close()
+
+
+async def test_a_large_body_is_written_as_the_instance_takes_it(rig, monkeypatch):
+    """A 32 MiB body to an instance that does not read yet: the proxy's transport buffer
+    stays near its high-water mark (write flow control), not the whole body."""
+    server, upstream, base = rig
+    transports: list[asyncio.WriteTransport] = []
+    made = client_raw._Conn.connection_made
+
+    def record(self: client_raw._Conn, transport: asyncio.BaseTransport) -> None:
+        transports.append(transport)  # type: ignore[arg-type]
+        made(self, transport)
+
+    monkeypatch.setattr(client_raw._Conn, "connection_made", record)
+    body = b"x" * (32 << 20)
+    task = asyncio.ensure_future(post(upstream, base, body))
+    await until(lambda: transports and transports[0].get_write_buffer_size() > 0,
+                "the instance's socket full")
+    held = transports[0].get_write_buffer_size()
+    assert held <= (1 << 16) + client_raw.WRITE_SLICE, held
+    reply = await task  # the server reads it all, then answers
+    assert (reply.status, await reply.read()) == (200, OK)
+    await reply.close()
+    assert server.requests[-1].endswith(body)
+
+
+async def test_no_more_than_the_cap_of_connections_to_one_instance(rig):
+    """With 2 allowed, a third request waits for a connection and then reuses one."""
+    server, _, base = rig
+    capped = RawUpstream(aiohttp.ClientSession(), 5.0, max_connections=2)
+    gate = asyncio.Event()
+
+    async def held(writer: asyncio.StreamWriter) -> None:
+        await gate.wait()
+        writer.write(answer())
+        await writer.drain()
+
+    server.script += [held, held]
+    try:
+        async def one() -> bytes:
+            reply = await post(capped, base)
+            try:
+                return await reply.read()
+            finally:
+                await reply.close()
+
+        tasks = [asyncio.ensure_future(one()) for _ in range(3)]
+        await until(lambda: len(server.requests) == 2, "two requests at the instance")
+        gate.set()
+        assert await asyncio.gather(*tasks) == [OK] * 3
+        assert server.connections == 2
+    finally:
+        capped.close()
+        await capped._session.close()
+
+
+async def test_an_idle_connection_is_closed_after_keepalive_without_new_requests(rig):
+    server, _, base = rig
+    brief = RawUpstream(aiohttp.ClientSession(), 5.0, keepalive_s=0.2)
+    try:
+        await (await post(brief, base)).close()
+        assert server.closed == 0
+        await until(lambda: server.closed == 1, "the idle connection closed")
+    finally:
+        brief.close()
+        await brief._session.close()

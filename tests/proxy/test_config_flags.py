@@ -64,3 +64,17 @@ def test_every_role_is_a_proxyconfig_field():
     from epdctl.topology import ROLE_NAMES
 
     assert set(ROLE_NAMES) <= {f.name for f in dataclasses.fields(ProxyConfig)}
+
+
+@pytest.mark.parametrize(("url", "refused"), [
+    ("https://pd:8443", "https is not supported to instances"),
+    ("pd:8000", "expected http://host:port"),
+    ("http://pd:99999", "the port is not a number from 0 to 65535"),
+])
+def test_an_instance_url_the_proxy_cannot_speak_to_is_refused_at_start(capsys, url, refused):
+    """An https URL once went out as plain HTTP to port 443: refused before anything runs,
+    in one error line that names the flag and the URL."""
+    with pytest.raises(SystemExit):
+        parse_argv(["--model", "m", "--prefill-decode", "http://pd", "--encode", url])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"python -m epdctl.proxy: error: --encode {url}: ") and refused in err
