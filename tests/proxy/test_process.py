@@ -51,6 +51,8 @@ class _Upstream(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         role = self.server.role  # type: ignore[attr-defined]
         self.seen.append((role, dict(self.headers), body))
+        if role == "pd-flaky":
+            return self._flaky(body)
         if "slow" in json.dumps(body):
             time.sleep(3)
         if role == "encode":
@@ -71,6 +73,24 @@ class _Upstream(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
             return None
         return self._reply(200, json.dumps(completion("Hello from PD")).encode())
+
+
+    def _flaky(self, body: dict) -> None:
+        """A PD whose streams break after their first token (the instance died) and whose
+        /tokenize never answers (hung)."""
+        if self.path == "/tokenize":
+            time.sleep(60)
+            return None
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        piece = STREAM[:STREAM.index(b"\n\n", STREAM.index(b"Hel")) + 2]  # up to "Hel"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        self.wfile.flush()
+        self.connection.shutdown(socket.SHUT_RDWR)  # cut: no last chunk
+        self.close_connection = True
+        return None
 
 
 def _serve(role: str) -> ThreadingHTTPServer:
@@ -227,3 +247,48 @@ def test_process_maps_a_dead_instance_to_502(tmp_path, has_speedups):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(10) in (0, -signal.SIGTERM)
+
+
+def test_a_hung_tokenize_while_resuming_ends_the_stream_within_its_deadline(tmp_path):
+    """A stream breaks after "Hel"; the PD that would take it over never answers /tokenize
+    (the proxy asks it how the text sent so far tokenizes). With the client `up` runs, the
+    client's stream ends with the error event once /tokenize's deadline has passed (and
+    replay_wait found no other PD), not whenever the client gives up."""
+    from epdctl.proxy.replay import TOKENIZE_TIMEOUT_S
+
+    pds = [_serve("pd-flaky"), _serve("pd-flaky")]
+    port = _free_port()
+    argv = [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
+            "--replay-wait", "1", "--client", "aiohttp",
+            *[arg for pd in pds for arg in ("--prefill-decode",
+                                            f"http://127.0.0.1:{pd.server_port}")]]
+    log = tmp_path / "proxy.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        began = time.monotonic()
+        body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body,
+                          timeout=TOKENIZE_TIMEOUT_S + 30) as reply:
+            assert reply.status_code == 200
+            text = reply.read().decode()
+        took = time.monotonic() - began
+        assert '"content":"Hel"' in text.replace(" ", ""), text
+        assert text.rstrip().splitlines()[-1].startswith('data: {"error"'), text
+        assert TOKENIZE_TIMEOUT_S <= took < TOKENIZE_TIMEOUT_S + 15, (took, log.read_text())
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+        for pd in pds:
+            pd.shutdown()
