@@ -170,17 +170,25 @@ def _init_weights(model: Any) -> None:
 IDENTITY_DIMS = 96
 """The language model's first hidden dims, where the current token's identity lives."""
 QUERY_GAIN = 4.0
-"""Sharper attention: the last prompt token's context leans on fewer positions, so the
-first answer token follows the image more often (24 of 30 images choose apart, against 18)."""
+"""Sharper attention: a position's context leans on fewer positions, so what the model
+chooses from it follows the image more often."""
 IDENTITY_NORM = 100.0
 """The identity part's norm in a chain token's embedding: the layers' writes (to the other
-dims) stay a small fraction of it, so the final norm's scale hardly moves."""
+dims) stay a small fraction of it, so the context hardly moves the next token's logits."""
+CLASS_NORM = 1.0
+"""The identity part's norm in the prompt's closing newline and the opening tokens: the
+context keeps its say there (it chooses the next token)."""
+HEAD_GAIN = 4.0
+"""The LM head's identity columns: the chain's lead (~25 logits) and the opening tokens'
+lead as a class (~10) over whatever the context adds."""
+OPENINGS = 64
+"""Tokens an answer may open with: the context chooses one after the prompt, then the
+chain token after it (two choices, so that two inputs rarely answer alike)."""
 
 
 def chain_tokens(tokenizer: Any) -> list[int]:
-    """The tokens greedy decoding walks between, each to its successor: all but the
-    special tokens and the whitespace-only ones (the chat template's last prompt token is
-    "\n", so the first answer token is the context's choice)."""
+    """The ordinary tokens: all but the special tokens and the whitespace-only ones (the
+    chat template's last prompt token is "\n": the context chooses after it)."""
     vocab = tokenizer.get_vocab()
     outside = {i for t, i in vocab.items()
                if t.startswith("<|") or t == "<image>" or not t.strip("\u010a\u0109\u0120")}
@@ -188,38 +196,46 @@ def chain_tokens(tokenizer: Any) -> list[int]:
 
 
 def _decisive(model: Any, tokenizer: Any) -> None:
-    """Make every greedy choice decisive, and the first one the image's (the prompt's).
+    """Make every greedy choice decisive, and the first two the input's.
 
     A random-weight LM has near-tied logits: over hundreds of tokens some step's top two
     differ by less than the float noise between batch shapes, or between a prefix
     prefilled at once and decoded token by token, and the argmax flips (answers that
-    should be equal are not, one run in a few). So the language model is built as a
-    chain with a context-chosen start:
+    should be equal are not, one run in a few). So the language model is a chain with a
+    context-chosen start. Hidden dims [0, IDENTITY_DIMS) hold the current token's
+    identity; no layer writes there (the attention and MLP output rows are zero), so the
+    final hidden state keeps it, and the LM head's identity columns score from it:
 
-    - hidden dims [0, IDENTITY_DIMS) hold the current token: a chain token's embedding
-      there is IDENTITY_NORM times a random unit vector u_t; no layer writes there (the
-      attention and MLP output rows are zero), so the final hidden state keeps it;
-    - the LM head's identity columns score token s by u_pred(s), its predecessor in a
-      fixed random permutation of the chain tokens: after a chain token t, succ(t) leads
-      every other token by about sqrt(hidden) * (1 - max cosine) ~ 6 logits, while the
-      context (the other dims, scaled down by the identity part's norm) moves logits by
-      well under 0.1;
-    - special and whitespace-only tokens have no identity part: after one (the prompt's
-      closing "\n") the context alone chooses, through the random layers that read the
-      image and the text; that first choice is where the answer depends on the input.
+    - after the prompt's closing "\n" (identity: class 0) every opening token scores the
+      same, every other token nothing: the context alone chooses among the OPENINGS;
+    - after an opening token (identity: class 1) every chain token scores the same: the
+      context, which now holds the opening token too, chooses among them;
+    - after a chain token t (identity: IDENTITY_NORM times a random unit vector u_t) its
+      successor in a fixed random permutation of the chain tokens (scored by u_pred(s))
+      leads every other token by ~25 logits, while the context, scaled down by the
+      identity's norm, moves logits by well under 1.
 
-    tests/e2e/test_tiny_models.py measures the margins through vLLM's logprobs."""
+    The context is the random layers' reading of the image and the text: the two choices
+    are where the answer depends on the input. tests/e2e/test_tiny_models.py measures
+    every margin through vLLM's logprobs."""
     import torch
 
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     vocab = emb.shape[0]
-    chain = chain_tokens(tokenizer)
+    ordinary = chain_tokens(tokenizer)
     gen = torch.Generator().manual_seed(SEED + 1)
+    mixed = torch.randperm(len(ordinary), generator=gen).tolist()
+    openings = {ordinary[i] for i in mixed[:OPENINGS]}
+    chain = [t for t in ordinary if t not in openings]
     order = torch.randperm(len(chain), generator=gen).tolist()
     pred = {chain[order[i]]: chain[i] for i in range(len(chain))}
-    units = torch.randn(vocab, IDENTITY_DIMS, generator=gen)
+    # dims 0 and 1: the two classes; the chain's unit vectors live in the others.
+    units = torch.zeros(vocab, IDENTITY_DIMS)
+    units[:, 2:] = torch.randn(vocab, IDENTITY_DIMS - 2, generator=gen)
     units /= units.norm(dim=1, keepdim=True)
+    after_newline, after_opening = torch.eye(IDENTITY_DIMS)[:2]
+    newline = tokenizer.get_vocab()["\u010a"]
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "language_model" not in name:
@@ -228,13 +244,15 @@ def _decisive(model: Any, tokenizer: Any) -> None:
                 param[:IDENTITY_DIMS] = 0
             elif name.endswith("q_proj.weight"):
                 param *= QUERY_GAIN
-        chained = set(chain)
-        for token in range(vocab):
-            if token in chained:
-                emb[token, :IDENTITY_DIMS] = IDENTITY_NORM * units[token]
-            else:
-                emb[token, :IDENTITY_DIMS] = 0
-            head[token, :IDENTITY_DIMS] = units[pred[token]] if token in pred else 0
+        emb[:, :IDENTITY_DIMS] = 0
+        head[:, :IDENTITY_DIMS] = 0
+        emb[newline, :IDENTITY_DIMS] = CLASS_NORM * after_newline
+        for token in openings:
+            emb[token, :IDENTITY_DIMS] = CLASS_NORM * after_opening
+            head[token, :IDENTITY_DIMS] = HEAD_GAIN * after_newline
+        for token in chain:
+            emb[token, :IDENTITY_DIMS] = IDENTITY_NORM * units[token]
+            head[token, :IDENTITY_DIMS] = HEAD_GAIN * (units[pred[token]] + after_opening)
 
 
 def _save_weights(model: Any, out: Path, rename: Callable[[str], str] = lambda k: k) -> None:

@@ -194,11 +194,11 @@ def check_exact(probe: Probe, answers: dict[int, Any]) -> None:
 
     What a resume promises is the text sent before the break, then the greedy continuation
     of that prefix, with no token repeated or dropped. The tiny model makes every greedy
-    choice decisive (epdctl.dev.tiny_models._decisive: the first token leads by >= 0.0188
-    logits, each later one by >= 5.8, against float noise of ~1e-5 between batch shapes and
-    a prefix prefilled at once or decoded token by token), so the continuation of any prefix
-    of the aggregated answer is the rest of that answer: equality with it is that promise,
-    and a resume that repeats or drops one token fails it."""
+    choice decisive (epdctl.dev.tiny_models._decisive: the input's two choices lead by
+    >= 0.034 logits, each later token by >= 25, against float noise of ~1e-5 between batch
+    shapes and a prefix prefilled at once or decoded token by token), so the continuation
+    of any prefix of the aggregated answer is the rest of that answer: equality with it is
+    that promise, and a resume that repeats or drops one token fails it."""
     for seed, got in answers.items():
         text, stream = reference(probe, seed)
         if seed % 2 == 0:
