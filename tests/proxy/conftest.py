@@ -3,23 +3,38 @@ local sockets (fakes.py, sockets.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import tiny_llava  # noqa: F401  (test_real_vllm.py)
-from tests.proxy.fakes import Fakes, Rig, close_rig, make_rig
+from tests.proxy.fakes import TRANSPORTS, Fakes, Rig, close_rig, make_rig
 from tests.proxy.sockets import Names
-
-TRANSPORTS = ("aiohttp", "httpx")
-"""The proxy's clients to its instances (ProxyConfig.client): aiohttp, the default, means
-RawUpstream for the POSTs to instances and aiohttp for the rest."""
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_tls_context() -> Iterator[None]:
+    """httpx clients here share one default TLS context: each would read the CA bundle into
+    its own (~0.1 s, most of an httpx rig's setup), and no fake instance speaks TLS."""
+    from httpx._transports import default
+
+    create = default.create_ssl_context
+    shared = create()
+
+    def create_shared(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is True and cert is None and trust_env:
+            return shared
+        return create(verify=verify, cert=cert, trust_env=trust_env)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(default, "create_ssl_context", create_shared)
+        yield
 
 
 @pytest.fixture(params=TRANSPORTS)
