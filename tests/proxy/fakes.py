@@ -21,6 +21,9 @@ from epdctl.proxy.__main__ import upstream_client
 from tests.proxy.sockets import Instances, Names
 
 MODEL = "tiny"
+TRANSPORTS = ("aiohttp", "httpx")
+"""The proxy's clients to its instances (ProxyConfig.client): aiohttp, the default, means
+RawUpstream for the POSTs to instances and aiohttp for the rest."""
 PNG = b"\x89PNG\r\n\x1a\nfake image bytes"
 
 
