@@ -43,6 +43,8 @@ import anyio
 import h11
 import httpx
 
+from tests.waits import WAIT_S
+
 LOCAL = "127.0.0.1"
 Handle = Callable[[httpx.Request], "Awaitable[httpx.Response] | httpx.Response"]
 """What answers the requests to every name: `Fakes.handle`, or a test's own."""
@@ -73,7 +75,9 @@ class Instance:
         for conn in list(self.connections):
             conn.abort()
         if self.answers:
-            await asyncio.wait(self.answers)
+            _, stuck = await asyncio.wait(self.answers, timeout=WAIT_S)
+            if stuck:
+                raise AssertionError(f"{self.name}: a handler went on after its client left")
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -231,12 +235,17 @@ class Instances:
         return instance.port
 
     async def close(self) -> None:
-        """Every server closed; then the first error a handler raised, if any."""
+        """Every server closed; then AssertionError for the first thing that went wrong in
+        one (a handler's own error, or a handler that would not stop), if any."""
+        failures: list[BaseException] = []
         for instance in self.served.values():
-            await instance.close()
-        errors = [e for i in self.served.values() for e in i.errors]
-        if errors:
-            raise AssertionError(f"a fake instance's handler raised: {errors[0]!r}") from errors[0]
+            try:
+                await instance.close()
+            except AssertionError as exc:
+                failures.append(exc)
+            failures += instance.errors
+        if failures:
+            raise AssertionError(f"a fake instance failed: {failures[0]!r}") from failures[0]
 
 
 _ROUTE: ContextVar[Instances | None] = ContextVar("fake_instances", default=None)
