@@ -110,7 +110,9 @@ async def test_decode_timeout_is_504(rig_factory, stream):
 
 
 async def test_prefill_failures(rig_factory):
-    rig = rig_factory(prefill=("http://p0",), decode=("http://d0",), prefill_timeout_s=0.2)
+    # The deadline covers every request here: long enough for the quick answers below to come
+    # over a socket on a loaded machine, far below what `slow` takes.
+    rig = rig_factory(prefill=("http://p0",), decode=("http://d0",), prefill_timeout_s=1.0)
     rig.fakes.then("p0", slow)
     r = await rig.chat("hi")
     assert r.status_code == 504 and "prefill instance http://p0" in error_of(r)["message"]
