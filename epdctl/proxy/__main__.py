@@ -47,7 +47,7 @@ async def serve(config: ProxyConfig) -> list[int]:
                     captured.clear()
 
     lines = LineWriter()
-    async with _client(config) as client:
+    async with upstream_client(config) as client:
         app = create_app(config, client, lines)
         # "auto": httptools when installed (a dependency), else uvicorn's pure-Python h11.
         server = Server(uvicorn.Config(
@@ -75,8 +75,9 @@ async def serve(config: ProxyConfig) -> list[int]:
     return server.stopped_by
 
 
-def _client(config: ProxyConfig) -> Any:
-    """The one shared upstream client (an async context manager that closes it)."""
+def upstream_client(config: ProxyConfig) -> Any:
+    """The one shared upstream client (an async context manager that closes it); the tests'
+    proxy rig builds its clients here too, so that they are the ones that ship."""
     if config.client == "httpx":
         import httpx
 

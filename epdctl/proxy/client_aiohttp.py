@@ -1,8 +1,8 @@
 """The Upstream interface over aiohttp: measured ~5x less client overhead than httpx here.
 
 benchmarks/proxy.py on 2 cores, one 1 ms upstream, sequential POSTs: aiohttp p50 0.3 ms
-over the delay, httpx 1.7-3.5 ms. __main__ therefore uses aiohttp; tests drive the same
-proxy code through httpx.MockTransport.
+over the delay, httpx 1.7-3.5 ms. __main__ therefore uses aiohttp; the proxy tests run on
+both clients, against fake instances on local sockets (tests/proxy/sockets.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,29 @@
-"""Fake upstream instances behind httpx.MockTransport, and the proxy in front of them."""
+"""Fake upstream instances, and the proxy in front of them.
+
+`Fakes.handle` answers an httpx.Request as every instance would: the rig serves it on local
+sockets (sockets.py); a test may also put it behind an httpx.MockTransport.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from epdctl.proxy import ProxyConfig
+from epdctl.proxy import ProxyConfig, create_app
+from epdctl.proxy.__main__ import upstream_client
+from tests.proxy.sockets import Instances, Names
 
 MODEL = "tiny"
+TRANSPORTS = ("aiohttp", "httpx")
+"""The proxy's clients to its instances (ProxyConfig.client): aiohttp, the default, means
+RawUpstream for the POSTs to instances and aiohttp for the rest."""
 PNG = b"\x89PNG\r\n\x1a\nfake image bytes"
 
 
@@ -164,6 +175,10 @@ class Rig:
     client: httpx.AsyncClient
     fakes: Fakes
     config: ProxyConfig
+    upstream: Any
+    """The proxy's client to its instances, as __main__ makes it (config.client picks)."""
+    instances: Instances
+    """The fakes' servers."""
 
     @property
     def proxy(self) -> Any:
@@ -172,6 +187,73 @@ class Rig:
     async def chat(self, content: Any, **extra: Any) -> httpx.Response:
         body = {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
         return await self.client.post("/v1/chat/completions", json=body)
+
+
+def make_rig(names: Names, transport: str, fakes: Fakes | None = None, **kwargs: Any) -> Rig:
+    """The proxy over `fakes` served on local sockets, on the client `transport` names
+    (aiohttp or httpx), built as __main__ builds it; `kwargs`: ProxyConfig's."""
+    fakes = fakes or Fakes()
+    kwargs.setdefault("models", (MODEL,))
+    # No health probes run here, so nothing dead comes back: don't wait for it.
+    kwargs.setdefault("replay_wait_s", 0.01)
+    if not kwargs.get("prefill"):
+        kwargs.setdefault("prefill_decode", ("http://pd0",))
+    assert "client" not in kwargs, "the transport picks the client"
+    config = ProxyConfig(client=transport, **kwargs)
+    upstream = upstream_client(config)
+    app = create_app(config, upstream)
+    instances = names.add(fakes.handle)
+    client = httpx.AsyncClient(transport=Routed(httpx.ASGITransport(app=app), instances),
+                               base_url="http://proxy")
+    return Rig(app, client, fakes, config, upstream, instances)
+
+
+async def close_rig(rig: Rig) -> None:
+    """Everything the rig opened closed, as __main__ closes it on exit, and RawUpstream's own
+    pools with it (which an exiting process needs not close); its servers are its Names'."""
+    await rig.client.aclose()
+    await rig.proxy.stop_background()
+    rig.proxy.close()
+    close_pools = getattr(rig.proxy.client, "close", None)
+    if close_pools is not None:
+        close_pools()
+    await rig.upstream.__aexit__(None, None, None)  # __main__'s `async with` ends
+
+
+@contextlib.contextmanager
+def rig_on_a_loop(transport: str, fakes: Fakes | None = None, **kwargs: Any
+                  ) -> Iterator[tuple[asyncio.AbstractEventLoop, Rig]]:
+    """A rig on a loop of its own, for a fixture that outlives a test (hypothesis's many
+    examples on one rig): the loop runs only while the caller runs something on it."""
+    loop = asyncio.new_event_loop()
+    names = Names()
+
+    async def start() -> Rig:
+        names.install()
+        return make_rig(names, transport, fakes, **kwargs)
+
+    rig = loop.run_until_complete(start())
+    try:
+        yield loop, rig
+    finally:
+        try:
+            loop.run_until_complete(close_rig(rig))
+            loop.run_until_complete(names.close())
+        finally:
+            loop.close()
+
+
+class Routed(httpx.AsyncBaseTransport):
+    """Into one rig's app: what it sends to an instance meanwhile (or later, from tasks
+    started meanwhile) reaches that rig's fakes, whatever other rigs the test holds."""
+
+    def __init__(self, app: httpx.ASGITransport, instances: Instances) -> None:
+        self.app = app
+        self.instances = instances
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        with Names.routed(self.instances):
+            return await self.app.handle_async_request(request)
 
 
 def image_part(data: bytes = PNG, **extra: Any) -> dict[str, Any]:

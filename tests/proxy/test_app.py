@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import httpx
 import pytest
 
+from epdctl.proxy.client import HttpxUpstream
+from epdctl.proxy.client_raw import RawUpstream
 from tests.proxy.fakes import MODEL
 from tests.proxy.vllm_like import CARD, VllmLike
 from tests.waits import until
@@ -182,8 +185,12 @@ async def test_request_log_line_names_stages(rig_factory, caplog):
         assert field in line, field
 
 
-async def test_upstream_client_is_shared_and_left_open(rig_factory):
+async def test_upstream_client_is_shared_and_left_open(rig_factory, transport):
+    """The app sends on the client it was given (its owner closes it), of the kind chosen."""
     rig = rig_factory()
-    assert isinstance(rig.proxy.client._client, httpx.AsyncClient)
+    assert isinstance(rig.proxy.client, {"httpx": HttpxUpstream, "aiohttp": RawUpstream}[transport])
+    wrapped = rig.proxy.client._client if transport == "httpx" else rig.proxy.client._session
+    kind = httpx.AsyncClient if transport == "httpx" else aiohttp.ClientSession
+    assert wrapped is rig.upstream and isinstance(wrapped, kind)
     await rig.chat("hi")
-    assert not rig.proxy.client._client.is_closed
+    assert not (rig.upstream.is_closed if transport == "httpx" else rig.upstream.closed)

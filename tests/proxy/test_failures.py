@@ -92,7 +92,7 @@ async def test_an_answer_broken_before_its_end_is_replayed_once_per_instance(rig
     for name in ("pd0", "pd1"):
         rig.fakes.then(name, lambda seen: httpx.Response(200, stream=Broken()))
     r = await rig.chat("hi")
-    assert r.status_code == 502 and ": broken: ReadError" in error_of(r)["message"]
+    assert r.status_code == 502 and ": broken: " in error_of(r)["message"]
     assert sorted(s.instance for s in rig.fakes.posts("pd")) == ["pd0", "pd1"]  # replay.py
 
 
@@ -110,7 +110,9 @@ async def test_decode_timeout_is_504(rig_factory, stream):
 
 
 async def test_prefill_failures(rig_factory):
-    rig = rig_factory(prefill=("http://p0",), decode=("http://d0",), prefill_timeout_s=0.2)
+    # The deadline covers every request here: long enough for the quick answers below to come
+    # over a socket on a loaded machine, far below what `slow` takes.
+    rig = rig_factory(prefill=("http://p0",), decode=("http://d0",), prefill_timeout_s=1.0)
     rig.fakes.then("p0", slow)
     r = await rig.chat("hi")
     assert r.status_code == 504 and "prefill instance http://p0" in error_of(r)["message"]
@@ -162,7 +164,9 @@ async def test_stream_broken_mid_way_ends_with_an_error_event(rig_factory):
     rig = rig_factory()
     rig.fakes.then("pd0", lambda seen: httpx.Response(200, stream=Broken()))
     r = await rig.chat("hi", stream=True)
-    assert r.status_code == 200 and b"peer closed connection" in r.content
+    assert r.status_code == 200 and r.content.startswith(sse(chat_chunk("Hi")))
+    assert b'"type": "Bad Gateway"' in r.content
+    assert b"prefill_decode instance http://pd0: broken: " in r.content
 
 
 async def test_the_proxy_keeps_serving_after_errors(rig_factory):

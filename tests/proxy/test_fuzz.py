@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 
@@ -11,8 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epdctl.proxy import ProxyConfig, create_app
-from tests.proxy.fakes import MODEL, Fakes
+from tests.proxy.fakes import MODEL, TRANSPORTS, Fakes, rig_on_a_loop
 
 KEYS = ["model", "messages", "stream", "content", "role", "type", "text", "image_url", "url",
         "uuid", "audio_url", "input_audio", "video_url", "data", "format", "prompt",
@@ -46,32 +44,22 @@ BODIES = JSON | st.fixed_dictionaries(
               "mm_processor_kwargs": JSON, "media_io_kwargs": JSON, "prompt": JSON})
 
 
-def _fetch_fails(request: httpx.Request) -> httpx.Response:
-    raise httpx.ConnectError("no network in tests", request=request)
+class Offline(Fakes):
+    """The fakes; every `.invalid` host refuses (no network in tests)."""
 
-
-async def _rig():
-    fakes = Fakes(encoder_metadata={"image_grid_thw": [1, 2, 2]})
-
-    async def route(request: httpx.Request) -> httpx.Response:
+    async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.url.host.endswith(".invalid"):
-            return _fetch_fails(request)
-        return await fakes.handle(request)
-
-    config = ProxyConfig(models=(MODEL,), encode=("http://e0",), prefill=("http://p0",),
-                         decode=("http://d0",))
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(route))
-    app = create_app(config, upstream)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
+            raise httpx.ConnectError("no network in tests", request=request)
+        return await super().handle(request)
 
 
-@pytest.fixture(scope="module")
-def proxy():
-    loop = asyncio.new_event_loop()
-    client = loop.run_until_complete(_rig())
-    yield loop, client
-    loop.run_until_complete(client.aclose())
-    loop.close()
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def proxy(request):
+    """One rig for every example, on each transport."""
+    fakes = Offline(encoder_metadata={"image_grid_thw": [1, 2, 2]})
+    with rig_on_a_loop(request.param, fakes, encode=("http://e0",), prefill=("http://p0",),
+                       decode=("http://d0",)) as (loop, rig):
+        yield loop, rig.client
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

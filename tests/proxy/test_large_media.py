@@ -1,9 +1,12 @@
 """Large items (a 30 MiB video) through the proxy: fetched once, hashed once, sent to E once,
 bounded by the cap, and in memory a small multiple of the item's size.
 
-The proxy runs in-process (ASGITransport); E and PD are lean fakes behind MockTransport that
-record the raw bytes they get without parsing them (a parse would be the fake's memory, not
-the proxy's); the remote video comes from a real HTTP server on 127.0.0.1.
+The proxy runs in-process (ASGITransport); E and PD are lean fakes that record the raw bytes
+they get without parsing them, served on local sockets to the proxy's client of each kind
+(the rig's); the remote video comes from a real HTTP server on 127.0.0.1. The memory tests
+keep the lean fakes behind httpx.MockTransport: tracemalloc counts every allocation in the
+process, and a server here receiving a 40 MiB body would add it, whole, to the proxy's peak
+(a parse would be the fake's memory, not the proxy's).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 
 from epdctl.proxy import ProxyConfig, create_app, media
 from epdctl.proxy.media import content_key
+from tests.proxy.fakes import Fakes
 
 pytestmark = pytest.mark.anyio
 MODEL = "tiny"
@@ -44,17 +48,18 @@ def video_b64(video: bytes) -> str:
     return base64.b64encode(video).decode()
 
 
-class Lean:
+class Lean(Fakes):
     """E and PD: each request's instance and raw body, kept as sent (no copy, no parse);
     `should_keep` False: its size only (the memory tests measure the proxy, not the fakes)."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[str, bytes]] = []
+        super().__init__()
+        self.raws: list[tuple[str, bytes]] = []
         self.should_keep = True
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
+    async def handle(self, request: httpx.Request) -> httpx.Response:
         raw = request.content
-        self.seen.append((request.url.host, raw if self.should_keep else b"%d" % len(raw)))
+        self.raws.append((request.url.host, raw if self.should_keep else b"%d" % len(raw)))
         if request.url.host.startswith("e"):
             start = raw.find(b'"uuid":"') + 8
             key = raw[start:raw.index(b'"', start)].decode()
@@ -63,7 +68,7 @@ class Lean:
         return httpx.Response(200, content=ANSWER, headers={"content-type": "application/json"})
 
     def to(self, prefix: str) -> list[bytes]:
-        return [raw for host, raw in self.seen if host.startswith(prefix)]
+        return [raw for host, raw in self.raws if host.startswith(prefix)]
 
 
 class Remote(ThreadingHTTPServer):
@@ -111,9 +116,24 @@ def remote(video: bytes) -> Iterator[Remote]:
     thread.join()
 
 
+def poster(client: httpx.AsyncClient) -> Any:
+    async def post(raw: bytes) -> httpx.Response:
+        return await client.post("/v1/chat/completions", content=raw,
+                                 headers={"content-type": "application/json"})
+
+    return post
+
+
 @pytest.fixture
-async def proxy(remote: Remote) -> Any:
+async def proxy(rig_factory: Any) -> Any:
     """(post, lean): post(raw body) -> the proxy's answer; lean: what E and PD got."""
+    rig = rig_factory(Lean(), encode=("http://e0",), max_body_bytes=CAP)
+    return poster(rig.client), rig.fakes
+
+
+@pytest.fixture
+async def measured_proxy(remote: Remote) -> Any:
+    """As `proxy`, the lean fakes behind MockTransport (the module's docstring says why)."""
     lean = Lean()
     upstream = httpx.AsyncClient(mounts={
         "all://": httpx.MockTransport(lean.handle), remote.base: httpx.AsyncHTTPTransport()})
@@ -121,12 +141,7 @@ async def proxy(remote: Remote) -> Any:
                          max_body_bytes=CAP, replay_wait_s=0.01)
     app = create_app(config, upstream)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
-
-    async def post(raw: bytes) -> httpx.Response:
-        return await client.post("/v1/chat/completions", content=raw,
-                                 headers={"content-type": "application/json"})
-
-    yield post, lean
+    yield poster(client), lean
     await client.aclose()
     await upstream.aclose()
     app.state.proxy.close()
@@ -225,7 +240,7 @@ async def test_a_data_url_past_the_cap_is_a_one_line_413_naming_it(proxy, video_
     url = f"data:video/mp4;base64,{video_b64}{video_b64}{video_b64}"  # 120 MiB of base64
     message = one_line_error(await post(chat(url)), 413)
     assert message == f"request body is larger than {CAP} bytes (--max-body-bytes)"
-    assert lean.seen == []
+    assert lean.raws == []
 
 
 async def test_a_remote_video_past_the_cap_is_a_one_line_400_naming_it(proxy, remote):
@@ -234,7 +249,7 @@ async def test_a_remote_video_past_the_cap_is_a_one_line_400_naming_it(proxy, re
     message = one_line_error(await post(chat(url)), 400)
     assert message == (f"video_url {url}: more than the proxy's limit of {CAP} bytes "
                        "(--max-body-bytes)")
-    assert remote.gets == ["/big.mp4"] and lean.seen == []
+    assert remote.gets == ["/big.mp4"] and lean.raws == []
 
 
 # Memory: what the proxy allocates at its peak, over the client's own copy of the body
@@ -252,8 +267,9 @@ DATA_URL_BOUND = 4.5 + 0.5
 REMOTE_BOUND = 3.5 * 4 / 3 + 0.5
 
 
-async def test_a_video_data_url_costs_the_proxy_at_most_a_few_copies_of_it(proxy, video_b64):
-    post, lean = proxy
+async def test_a_video_data_url_costs_the_proxy_at_most_a_few_copies_of_it(measured_proxy,
+                                                                          video_b64):
+    post, lean = measured_proxy
     lean.should_keep = False
     raw = chat(f"data:video/mp4;base64,{video_b64}")
     r, peak = await peak_of(lambda: post(raw))
@@ -263,8 +279,9 @@ async def test_a_video_data_url_costs_the_proxy_at_most_a_few_copies_of_it(proxy
     assert peak < DATA_URL_BOUND * len(video_b64)
 
 
-async def test_a_remote_video_costs_the_proxy_at_most_a_few_copies_of_it(proxy, remote):
-    post, lean = proxy
+async def test_a_remote_video_costs_the_proxy_at_most_a_few_copies_of_it(measured_proxy,
+                                                                         remote):
+    post, lean = measured_proxy
     lean.should_keep = False
     raw = chat(f"{remote.base}/clip.mp4")
     r, peak = await peak_of(lambda: post(raw))

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
 
+from epdctl.proxy import ProxyConfig
+from epdctl.proxy.__main__ import upstream_client
 from epdctl.proxy.client import wrap
 from epdctl.proxy.errors import ProxyError
 from epdctl.proxy.media import assign_uuids, content_key
 from epdctl.proxy.routing import MediaItem
+from tests.proxy.sockets import Names
 
 pytestmark = pytest.mark.anyio
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
@@ -32,6 +37,7 @@ class Remote:
     def __init__(self) -> None:
         self.fetches: list[str] = []
         self.content = {"/a.png": PNG, "/b.png": PNG + b"x"}
+        self.client: Any = None
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         self.fetches.append(str(request.url))
@@ -44,9 +50,12 @@ class Remote:
 
 
 @pytest.fixture
-async def remote():
+async def remote(names: Names, transport: str) -> AsyncIterator[Remote]:
+    """The web on local sockets, fetched by the proxy's client of the kind `transport` names."""
     server = Remote()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(server.handle)) as client:
+    names.add(server.handle)
+    config = ProxyConfig(models=("tiny",), prefill_decode=("http://pd0",), client=transport)
+    async with upstream_client(config) as client:
         server.client = wrap(client)
         yield server
 
@@ -60,7 +69,7 @@ async def test_same_bytes_same_key_across_encodings_and_types(remote):
     wrapped = base64.encodebytes(PNG).decode()  # base64 with newlines: same bytes
     items = [item("image_url", data_url(PNG)), item("image_url", data_url(PNG, "image/jpeg")),
              item("image_url", "data:image/png;base64," + wrapped),
-             item("image_url", "https://img.example/a.png")]
+             item("image_url", "http://img.example/a.png")]
     got = await keys(items, remote)
     assert got == [content_key("image", PNG)] * 4
     assert len(got[0]) == 64
@@ -71,7 +80,7 @@ async def test_different_bytes_or_modality_give_different_keys(remote):
              item("audio_url", data_url(PNG, "audio/wav")),
              item("input_audio", base64.b64encode(PNG).decode()),
              item("video_url", data_url(PNG, "video/mp4")),
-             item("image_url", "https://img.example/b.png")]
+             item("image_url", "http://img.example/b.png")]
     got = await keys(items, remote)
     assert got[2] == got[3]  # audio_url and input_audio with the same bytes agree
     assert len({got[0], got[1], got[2], got[4]}) == 4
@@ -79,14 +88,14 @@ async def test_different_bytes_or_modality_give_different_keys(remote):
 
 
 async def test_remote_url_is_fetched_once_and_sent_on_as_the_hashed_bytes(remote):
-    it = item("image_url", "https://img.example/a.png")
+    it = item("image_url", "http://img.example/a.png")
     await keys([it], remote)
-    assert remote.fetches == ["https://img.example/a.png"]
+    assert remote.fetches == ["http://img.example/a.png"]
     assert it.data_url == data_url(PNG)
 
 
 async def test_client_uuid_is_respected_without_fetching(remote):
-    items = [item("image_url", "https://img.example/a.png", "mine"),
+    items = [item("image_url", "http://img.example/a.png", "mine"),
              item("image_url", "data:image/png;base64,!!!", "mine2")]
     assert await keys(items, remote) == ["mine", "mine2"]
     assert remote.fetches == []
@@ -98,7 +107,7 @@ async def test_other_schemes_get_no_key(remote):
 
 @pytest.mark.parametrize("ref", [
     "data:image/png;base64,!!!notbase64", "data:image/png,rawtext", "data:image/png;base64,",
-    "https://down.example/a.png", "https://img.example/missing.png",
+    "http://down.example/a.png", "http://img.example/missing.png",
 ])
 async def test_bad_media_is_a_400(remote, ref):
     with pytest.raises(ProxyError) as info:
@@ -113,7 +122,7 @@ async def test_invalid_input_audio_base64_is_a_400(remote):
 
 
 async def test_oversize_remote_media_is_a_400(remote):
-    it = item("image_url", "https://img.example/a.png")
+    it = item("image_url", "http://img.example/a.png")
     with pytest.raises(ProxyError) as info:
         await assign_uuids([it], remote.client, 5.0, 100)
     assert info.value.status == 400 and "100 bytes" in info.value.message

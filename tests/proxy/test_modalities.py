@@ -8,7 +8,6 @@ reports none (an audio model here); fuzzed bodies of random mixes keep every rul
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from pathlib import Path
@@ -20,10 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epdctl.cache.store import Store
-from epdctl.proxy import ProxyConfig, create_app
 from epdctl.proxy.media import CLIENT_PREFIX, client_key, content_key
 from epdctl.proxy.routing import MEDIA_TYPES, MediaItem, rewrite_media
-from tests.proxy.fakes import MODEL, PNG, Fakes
+from tests.proxy.fakes import MODEL, PNG, TRANSPORTS, Fakes, rig_on_a_loop
 
 pytestmark = pytest.mark.anyio
 MP4 = b"\x00\x00\x00\x18ftypmp42 fake video bytes"
@@ -197,35 +195,36 @@ class Remote:
         self.fetches: list[str] = []
 
 
-def with_remote(rig_factory, remote: Remote, **kwargs: Any) -> Any:
-    fakes = Fakes(metadata_by_type={})
+class WithRemote(Fakes):
+    """The fakes, and the web server `media.example` serving `remote`'s videos."""
 
-    async def route(request: httpx.Request) -> httpx.Response:
+    def __init__(self, remote: Remote) -> None:
+        super().__init__(metadata_by_type={})
+        self.remote = remote
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.url.host == "media.example":
-            remote.fetches.append(request.url.path)
-            return httpx.Response(200, content=remote.content[request.url.path],
+            self.remote.fetches.append(request.url.path)
+            return httpx.Response(200, content=self.remote.content[request.url.path],
                                   headers={"content-type": "video/mp4"})
-        return await fakes.handle(request)
+        return await super().handle(request)
 
-    config = ProxyConfig(models=(MODEL,), encode=("http://e0",),
-                         prefill_decode=("http://pd0",), **kwargs)
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(route))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(config, upstream)),
-                               base_url="http://proxy")
-    return client, fakes, upstream
+
+def with_remote(rig_factory, remote: Remote, **kwargs: Any) -> Any:
+    rig = rig_factory(WithRemote(remote), encode=("http://e0",), **kwargs)
+    return rig.client, rig.fakes
 
 
 def remote_video(path: str) -> dict[str, Any]:
-    return {"type": "video_url", "video_url": {"url": f"https://media.example{path}"}}
+    return {"type": "video_url", "video_url": {"url": f"http://media.example{path}"}}
 
 
 async def test_a_remote_video_is_fetched_once_and_inlined_once(rig_factory):
     remote = Remote({"/v.mp4": MP4 * 100})
-    client, fakes, upstream = with_remote(rig_factory, remote)
-    async with client, upstream:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": [
-            remote_video("/v.mp4"), remote_video("/v.mp4")]}]}
-        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    client, fakes = with_remote(rig_factory, remote)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [
+        remote_video("/v.mp4"), remote_video("/v.mp4")]}]}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     assert remote.fetches == ["/v.mp4"]
     inline = f"data:video/mp4;base64,{b64(MP4 * 100)}"
     [enc] = fakes.posts("e")
@@ -239,11 +238,10 @@ async def test_remote_media_past_the_cap_is_the_proxys_own_400(rig_factory, size
     """Each fetch stops at the cap, and the fetched media together may not pass it: the
     proxy answers (PD would fetch the same bytes again), E and PD get nothing."""
     remote = Remote({f"/{n}.mp4": bytes(size) for n, size in enumerate(sizes)})
-    client, fakes, upstream = with_remote(rig_factory, remote, max_body_bytes=3000)
-    async with client, upstream:
-        content = [remote_video(f"/{n}.mp4") for n in range(len(sizes))]
-        r = await client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": content}]})
+    client, fakes = with_remote(rig_factory, remote, max_body_bytes=3000)
+    content = [remote_video(f"/{n}.mp4") for n in range(len(sizes))]
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": content}]})
     assert r.status_code == 400, r.text
     assert "more than the proxy's limit of 3000 bytes (--max-body-bytes)" in (
         r.json()["error"]["message"])
@@ -278,19 +276,12 @@ def expected_key(p: dict[str, Any]) -> str | None:
     return content_key(MEDIA_TYPES[p["type"]], base64.b64decode(data.split(",")[-1]))
 
 
-@pytest.fixture(scope="module")
-def fuzz_rig():
-    loop = asyncio.new_event_loop()
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def fuzz_rig(request):
+    """One rig for every example (a rig per example would cost more than the example)."""
     fakes = Fakes(metadata_by_type={"video_url": VIDEO_GRID})
-    config = ProxyConfig(models=(MODEL,), encode=("http://e0", "http://e1"),
-                         prefill_decode=("http://pd0",))
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(fakes.handle))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(config, upstream)),
-                               base_url="http://proxy")
-    yield loop, client, fakes
-    loop.run_until_complete(client.aclose())
-    loop.run_until_complete(upstream.aclose())
-    loop.close()
+    with rig_on_a_loop(request.param, fakes, encode=("http://e0", "http://e1")) as (loop, rig):
+        yield loop, rig.client, fakes
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -79,8 +79,7 @@ async def pair(request, rig_factory) -> AsyncIterator[tuple[httpx.AsyncClient, A
     """(a client straight to the final instance, the rig with the proxy in front of it)."""
     roles, final = TOPOLOGIES[request.param]
     rig = rig_factory(VllmLike(), **roles)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(rig.fakes.handle),
-                                 base_url=final) as direct:
+    async with httpx.AsyncClient(base_url=final) as direct:  # to the rig's own instance
         yield direct, rig
 
 

@@ -321,7 +321,7 @@ async def test_a_stream_that_cannot_go_on_exactly_ends_with_the_error_event(
     r = await rig.chat("hi", stream=True, **extra)
     _, events = texts(r.content)
     assert r.content.startswith(plain(*first)) and "[DONE]" not in events
-    assert "connection reset by peer" in events[-1]["error"]["message"]
+    assert f"prefill_decode instance http://{pd0}: broken: " in events[-1]["error"]["message"]
     assert rig.fakes.posts(pd1) == []
     assert any(f"stream not resumed ({why})" in rec.getMessage() for rec in caplog.records)
     assert 'outcome="not_resumable"' in await metric(rig, "epdctl_proxy_replays_total")

@@ -6,9 +6,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from epdctl.proxy.__main__ import upstream_client
 from epdctl.proxy.client import wrap
 from epdctl.proxy.config import UPSTREAM_KEY_ENV, ProxyConfig, parse_argv
 from tests.proxy.fakes import MODEL, image_part
+from tests.proxy.sockets import Names
 
 pytestmark = pytest.mark.anyio
 KEY = "int3rnal"
@@ -31,18 +33,21 @@ async def test_every_sub_request_carries_the_internal_key(rig_factory, split: bo
     assert probes and all("authorization" not in s.headers for s in probes)  # /health is open
 
 
-async def test_a_media_fetch_never_carries_the_key() -> None:
+async def test_a_media_fetch_never_carries_the_key(names: Names, transport: str) -> None:
     seen: list[httpx.Headers] = []
 
     def web(request: httpx.Request) -> httpx.Response:
         seen.append(request.headers)
         return httpx.Response(200, content=b"png", headers={"content-type": "image/png"})
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(web)) as client:
+    names.add(web)
+    config = ProxyConfig(models=(MODEL,), prefill_decode=("http://pd0",), client=transport)
+    async with upstream_client(config) as client:
         upstream = wrap(client, 5.0, KEY)
-        assert (await upstream.fetch("https://img.example/a.png", 5.0, 1 << 20))[2] == b"png"
+        assert (await upstream.fetch("http://img.example/a.png", 5.0, 1 << 20))[2] == b"png"
         await (await upstream.post("http://e0", "/v1/chat/completions", b"{}", {}, 5.0,
                                    "encode")).close()
+        getattr(upstream, "close", lambda: None)()  # RawUpstream's own pools
     assert "authorization" not in seen[0] and seen[1]["authorization"] == f"Bearer {KEY}"
 
 
