@@ -110,13 +110,14 @@ async def test_decode_timeout_is_504(rig_factory, stream):
 
 
 async def test_prefill_failures(rig_factory):
-    # The deadline covers every request here: long enough for the quick answers below to come
-    # over a socket on a loaded machine, far below what `slow` takes.
-    rig = rig_factory(prefill=("http://p0",), decode=("http://d0",), prefill_timeout_s=1.0)
+    # A short deadline only where it is meant to fire (no quick answer has to beat it on a
+    # loaded machine); the refusals and the dead P under the default one.
+    rig = rig_factory(prefill=("http://p0",), decode=("http://d0",), prefill_timeout_s=0.2)
     rig.fakes.then("p0", slow)
     r = await rig.chat("hi")
     assert r.status_code == 504 and "prefill instance http://p0" in error_of(r)["message"]
     assert rig.fakes.posts("d0") == []
+    rig = rig_factory(prefill=("http://p0",), decode=("http://d0",))
     for status in (500, 422):  # P's refusal, unchanged: D never sees the request
         rig.fakes.then("p0", lambda s, n=status: httpx.Response(n, json={"error": {"n": n}}))
         r = await rig.chat("hi")
