@@ -85,7 +85,7 @@ def upstream_client(config: ProxyConfig) -> Any:
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
         timeout = httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s)
         return httpx.AsyncClient(limits=limits, timeout=timeout)
-    from epdctl.proxy.client_aiohttp import session
+    from epdctl.proxy.transport.aiohttp_impl import session
 
     return session(config.connect_timeout_s, config.decode_timeout_s, KEEPALIVE_EXPIRY_S)
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epdctl.proxy import jsonio
-from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.lookup import StoreLookup
@@ -25,6 +24,7 @@ from epdctl.proxy.routing import (
     upstream_headers,
 )
 from epdctl.proxy.trace import Trace
+from epdctl.proxy.transport import Upstream
 from epdctl.proxy.upstreams import Pool
 
 log = logging.getLogger("epdctl.proxy")

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epdctl.proxy import jsonio
-from epdctl.proxy.client import Reply, Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UpstreamError
 from epdctl.proxy.metrics import Metrics
@@ -17,6 +16,7 @@ from epdctl.proxy.responses import needs_prefill
 from epdctl.proxy.routing import RESPONSES, decode_body, dumps, prefill_body, upstream_headers
 from epdctl.proxy.sse import error_event, error_status, verdict
 from epdctl.proxy.trace import Trace
+from epdctl.proxy.transport import Reply, Upstream
 from epdctl.proxy.upstreams import Instance, Pool, Upstreams
 
 

@@ -11,7 +11,6 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from epdctl.proxy import jsonio, responses
-from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.encode import Encoder, Looked
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError
@@ -36,6 +35,7 @@ from epdctl.proxy.routing import (
     request_id,
 )
 from epdctl.proxy.trace import Trace
+from epdctl.proxy.transport import Upstream
 from epdctl.proxy.upstreams import Upstreams
 
 log = logging.getLogger("epdctl.proxy")

@@ -24,9 +24,9 @@ import binascii
 import hashlib
 from typing import Any
 
-from epdctl.proxy.client import Upstream
 from epdctl.proxy.errors import ProxyError, UpstreamError, bad_request
 from epdctl.proxy.routing import MEDIA_TYPES, MediaItem, replace_parts
+from epdctl.proxy.transport import Upstream
 
 B64_PIECE_CHARS = 1 << 20
 """base64 decoded per hash update (a multiple of 4): what hashing a large item costs."""

@@ -13,13 +13,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from epdctl.proxy.client import Reply, Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.generate import ATTEMPTS, Answer, StageFailed, next_attempt, relay
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.routing import header_id
 from epdctl.proxy.trace import Trace
+from epdctl.proxy.transport import Reply, Upstream
 from epdctl.proxy.upstreams import Instance, Upstreams
 
 # Hop-by-hop headers, what the proxy itself sets, and the proxy's own API key stay here.

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from epdctl.proxy import jsonio, resume, token_ids
-from epdctl.proxy.client import Upstream
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.generate import Answer, Generator, StageFailed
@@ -25,6 +24,7 @@ from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.routing import CHAT, COMPLETIONS, dumps, upstream_headers
 from epdctl.proxy.sse import error_event
 from epdctl.proxy.trace import Trace
+from epdctl.proxy.transport import Upstream
 from epdctl.proxy.upstreams import Instance, Upstreams
 
 log = logging.getLogger("epdctl.proxy")

@@ -11,24 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from epdctl.proxy.errors import bad_request
-from epdctl.proxy.routing import MM_KWARGS, MediaItem, checked_parts, with_ec_params
-
-MEDIA_PART = "input_image"
-
-
-def check_input(value: object) -> None:
-    """`input`: a string, or a list of items whose media parts the proxy can read."""
-    if isinstance(value, str):
-        return
-    if not isinstance(value, list) or not value:
-        raise bad_request("`input` must be a string or a non-empty list", "input")
-    for where, part in checked_parts(value, "input"):
-        if part["type"] != MEDIA_PART:
-            continue
-        for key in ("image_url", "uuid"):
-            if part.get(key) is not None and not isinstance(part[key], str):
-                raise bad_request(f"{where}.{key} must be a string", "input")
+from epdctl.proxy.routing import MM_KWARGS, RESPONSES_MEDIA_PART, MediaItem, with_ec_params
 
 
 def find_media(body: dict[str, Any]) -> list[MediaItem]:
@@ -42,8 +25,8 @@ def find_media(body: dict[str, Any]) -> list[MediaItem]:
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
-            if part["type"] == MEDIA_PART and isinstance(part.get("image_url"), str):
-                items.append(MediaItem(i, j, MEDIA_PART, "image", part["image_url"],
+            if part["type"] == RESPONSES_MEDIA_PART and isinstance(part.get("image_url"), str):
+                items.append(MediaItem(i, j, RESPONSES_MEDIA_PART, "image", part["image_url"],
                                        part.get("uuid") or None))
     return items
 

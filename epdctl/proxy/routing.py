@@ -14,6 +14,8 @@ from epdctl.proxy.errors import ProxyError, bad_request
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
+RESPONSES_MEDIA_PART = "input_image"
+"""The Responses API's image part."""
 ORCHESTRATED = (CHAT, COMPLETIONS, RESPONSES)
 """The POST routes the proxy runs through E and P/D; every other route passes through."""
 CONTENT_FIELDS = {CHAT: "messages", RESPONSES: "input"}
@@ -121,12 +123,24 @@ def parse_body(raw: bytes, route: str, models: tuple[str, ...]) -> dict[str, Any
     if route == CHAT:
         _check_messages(body.get("messages"))
     elif route == RESPONSES:
-        from epdctl.proxy.responses import check_input
-
-        check_input(body.get("input"))
+        _check_input(body.get("input"))
     elif not isinstance(body.get("prompt"), str | list):
         raise bad_request("`prompt` must be a string or a list", "prompt")
     return body
+
+
+def _check_input(value: object) -> None:
+    """`input`: a string, or a list of items whose media parts the proxy can read."""
+    if isinstance(value, str):
+        return
+    if not isinstance(value, list) or not value:
+        raise bad_request("`input` must be a string or a non-empty list", "input")
+    for where, part in checked_parts(value, "input"):
+        if part["type"] != RESPONSES_MEDIA_PART:
+            continue
+        for key in ("image_url", "uuid"):
+            if part.get(key) is not None and not isinstance(part[key], str):
+                raise bad_request(f"{where}.{key} must be a string", "input")
 
 
 def checked_parts(items: list[Any], name: str) -> Iterator[tuple[str, dict[str, Any]]]:

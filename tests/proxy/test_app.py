@@ -8,8 +8,9 @@ import aiohttp
 import httpx
 import pytest
 
-from epdctl.proxy.client import HttpxUpstream
-from epdctl.proxy.client_raw import RawUpstream
+from epdctl.proxy.transport import Split
+from epdctl.proxy.transport.httpx_impl import HttpxUpstream
+from epdctl.proxy.transport.raw_impl import RawUpstream
 from tests.proxy.fakes import MODEL
 from tests.proxy.vllm_like import CARD, VllmLike
 from tests.waits import until
@@ -188,8 +189,13 @@ async def test_request_log_line_names_stages(rig_factory, caplog):
 async def test_upstream_client_is_shared_and_left_open(rig_factory, transport):
     """The app sends on the client it was given (its owner closes it), of the kind chosen."""
     rig = rig_factory()
-    assert isinstance(rig.proxy.client, {"httpx": HttpxUpstream, "aiohttp": RawUpstream}[transport])
-    wrapped = rig.proxy.client._client if transport == "httpx" else rig.proxy.client._session
+    client = rig.proxy.client
+    if transport == "httpx":
+        assert isinstance(client, HttpxUpstream)
+        wrapped = client._client
+    else:  # POSTs on the proxy's own pools, the rest on the aiohttp session
+        assert isinstance(client, Split) and isinstance(client.posts, RawUpstream)
+        wrapped = client.rest._session
     kind = httpx.AsyncClient if transport == "httpx" else aiohttp.ClientSession
     assert wrapped is rig.upstream and isinstance(wrapped, kind)
     await rig.chat("hi")

@@ -1,4 +1,4 @@
-"""The proxy's own keep-alive POSTs (epdctl.proxy.client_raw) against a real local server:
+"""The proxy's own keep-alive POSTs (epdctl.proxy.transport.raw_impl) against a real local server:
 what goes out, answers whole and streamed, reuse, and each failure named as the callers
 expect (unavailable: nothing answered, retryable; broken: an answer began)."""
 
@@ -8,12 +8,11 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import aiohttp
 import pytest
 
-from epdctl.proxy import client_raw
-from epdctl.proxy.client_raw import RawUpstream
 from epdctl.proxy.errors import UpstreamError
+from epdctl.proxy.transport import raw_impl as client_raw
+from epdctl.proxy.transport.raw_impl import RawUpstream
 from tests.waits import until
 
 pytestmark = pytest.mark.anyio
@@ -65,13 +64,11 @@ async def rig() -> AsyncIterator[tuple[Server, RawUpstream, str]]:
     server = Server()
     srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
-    session = aiohttp.ClientSession()
-    upstream = RawUpstream(session, 5.0)
+    upstream = RawUpstream(5.0)
     try:
         yield server, upstream, f"http://127.0.0.1:{port}"
     finally:
         upstream.close()
-        await session.close()
         srv.close()
         await srv.wait_closed()
 
@@ -97,7 +94,7 @@ async def test_the_request_goes_out_whole_and_the_connection_is_reused(rig):
 async def test_a_large_body_goes_out_whole_after_its_head_on_a_reused_connection(rig):
     """Past SEPARATE_BODY_BYTES the body is written on its own (not joined to the head): the
     instance still reads one whole request, and the next one on the same connection."""
-    from epdctl.proxy.client_raw import SEPARATE_BODY_BYTES
+    from epdctl.proxy.transport.raw_impl import SEPARATE_BODY_BYTES
 
     server, upstream, base = rig
     body = b'{"v": "' + b"QUJD" * (SEPARATE_BODY_BYTES // 2) + b'"}'
@@ -110,7 +107,7 @@ async def test_a_large_body_goes_out_whole_after_its_head_on_a_reused_connection
 
 async def test_the_instances_key_goes_with_every_post(rig):
     server, _, base = rig
-    keyed = RawUpstream(None, 5.0, api_key="s3cret")
+    keyed = RawUpstream(5.0, api_key="s3cret")
     try:
         await (await post(keyed, base)).close()
     finally:
@@ -264,7 +261,7 @@ async def test_an_instance_silent_past_the_read_timeout_is_a_timeout(rig, when):
 
 async def test_an_idle_connection_past_keepalive_is_not_reused(rig):
     server, _, base = rig
-    upstream = RawUpstream(None, 5.0, keepalive_s=0.0)
+    upstream = RawUpstream(5.0, keepalive_s=0.0)
     try:
         for _ in range(2):
             await (await post(upstream, base)).close()
@@ -278,7 +275,7 @@ async def test_a_stream_the_reader_lags_on_is_held_under_the_pause_size(rig):
     downstream): the connection stops reading at PAUSE_BYTES held, so the proxy holds no
     more than that (plus one socket read), and reads on once the reader takes it; the body
     comes through whole and in order."""
-    from epdctl.proxy.client_raw import PAUSE_BYTES
+    from epdctl.proxy.transport.raw_impl import PAUSE_BYTES
 
     server, upstream, base = rig
     piece = 1 << 16
@@ -338,7 +335,7 @@ async def test_a_large_body_is_written_as_the_instance_takes_it(rig, monkeypatch
 async def test_no_more_than_the_cap_of_connections_to_one_instance(rig):
     """With 2 allowed, a third request waits for a connection and then reuses one."""
     server, _, base = rig
-    capped = RawUpstream(aiohttp.ClientSession(), 5.0, max_connections=2)
+    capped = RawUpstream(5.0, max_connections=2)
     gate = asyncio.Event()
 
     async def held(writer: asyncio.StreamWriter) -> None:
@@ -362,16 +359,14 @@ async def test_no_more_than_the_cap_of_connections_to_one_instance(rig):
         assert server.connections == 2
     finally:
         capped.close()
-        await capped._session.close()
 
 
 async def test_an_idle_connection_is_closed_after_keepalive_without_new_requests(rig):
     server, _, base = rig
-    brief = RawUpstream(aiohttp.ClientSession(), 5.0, keepalive_s=0.2)
+    brief = RawUpstream(5.0, keepalive_s=0.2)
     try:
         await (await post(brief, base)).close()
         assert server.closed == 0
         await until(lambda: server.closed == 1, "the idle connection closed")
     finally:
         brief.close()
-        await brief._session.close()

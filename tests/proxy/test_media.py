@@ -11,10 +11,10 @@ import pytest
 
 from epdctl.proxy import ProxyConfig
 from epdctl.proxy.__main__ import upstream_client
-from epdctl.proxy.client import wrap
 from epdctl.proxy.errors import ProxyError
 from epdctl.proxy.media import assign_uuids, content_key
 from epdctl.proxy.routing import MediaItem
+from epdctl.proxy.transport import wrap
 from tests.proxy.sockets import Names
 
 pytestmark = pytest.mark.anyio

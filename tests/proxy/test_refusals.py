@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from epdctl.proxy import ProxyConfig, create_app
-from epdctl.proxy.client_aiohttp import session
+from epdctl.proxy.transport.aiohttp_impl import session
 from tests.proxy.fakes import MODEL
 
 pytestmark = pytest.mark.anyio

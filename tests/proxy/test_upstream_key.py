@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 from epdctl.proxy.__main__ import upstream_client
-from epdctl.proxy.client import wrap
 from epdctl.proxy.config import UPSTREAM_KEY_ENV, ProxyConfig, parse_argv
+from epdctl.proxy.transport import wrap
 from tests.proxy.fakes import MODEL, image_part
 from tests.proxy.sockets import Names
 

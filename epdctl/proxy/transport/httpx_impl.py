@@ -1,63 +1,14 @@
-"""The one small interface between the proxy and its shared HTTP client (httpx by default)."""
+"""The Upstream contract (transport/base.py) over httpx: one httpx.AsyncClient shared by
+every request (`--client httpx`)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, Protocol
 
 import httpx
 
 from epdctl.proxy.errors import UpstreamError
-
-
-class Reply(Protocol):
-    """An upstream response whose body has not been read yet."""
-
-    status: int
-    content_type: str
-
-    def header_list(self) -> list[tuple[bytes, bytes]]: ...
-    async def read(self) -> bytes: ...
-    def chunks(self) -> AsyncIterator[bytes]: ...
-    async def close(self) -> None: ...
-
-
-class Upstream(Protocol):
-    """POST (or any method) to an instance, fetch media, probe health; failures raise
-    UpstreamError: "unavailable" when no response arrived, "broken" when one began."""
-
-    async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
-                   read_timeout_s: float, stage: str) -> Reply: ...
-    async def request(self, method: str, base: str, path: str, body: bytes,
-                      headers: Mapping[str, str], read_timeout_s: float, stage: str
-                      ) -> Reply: ...
-    async def fetch(self, url: str, timeout_s: float, max_bytes: int) -> tuple[int, str, bytes]:
-        ...
-    async def probe(self, url: str, timeout_s: float) -> bool: ...
-
-
-def wrap(client: Any, connect_timeout_s: float = 5.0, api_key: str | None = None) -> Upstream:
-    """Our interface over a caller-owned client: httpx.AsyncClient or aiohttp.ClientSession.
-
-    `api_key`: the instances' internal key, sent with every request to them, passed-through
-    ones too (never with a media fetch, which goes elsewhere; /health probes need none).
-    """
-    if isinstance(client, httpx.AsyncClient):
-        return HttpxUpstream(client, connect_timeout_s, api_key)
-    # aiohttp: POSTs to the instances over the proxy's own pools (client_raw), the rest on
-    # it; all on it where httptools (a dependency where it builds) is missing.
-    try:
-        from epdctl.proxy.client_raw import RawUpstream
-    except ImportError:
-        from epdctl.proxy.client_aiohttp import AiohttpUpstream
-
-        return AiohttpUpstream(client, connect_timeout_s, api_key)
-    return RawUpstream(client, connect_timeout_s, api_key)
-
-
-def with_key(headers: Mapping[str, str], auth: str | None) -> Mapping[str, str]:
-    """A sub-request's headers plus the instances' `authorization`, when they require one."""
-    return headers if auth is None else {**headers, "authorization": auth}
+from epdctl.proxy.transport.base import with_key
 
 
 def _error(exc: Exception, stage: str, base: str, kind: str = "unavailable") -> UpstreamError:

@@ -12,8 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from epdctl.proxy.client import with_key
 from epdctl.proxy.errors import UpstreamError
+from epdctl.proxy.transport.base import with_key
 
 
 class Response(aiohttp.ClientResponse):

@@ -1,11 +1,11 @@
 """The proxy's POSTs to its instances (E, P, D, PD sub-requests: the hot path) over its own
-HTTP/1.1 keep-alive pool, parsed by httptools; everything else through aiohttp.
+HTTP/1.1 keep-alive pool, parsed by httptools; everything else goes through aiohttp_impl.
 
 Under cProfile on benchmarks/proxy.py, aiohttp's client was a third of the proxy's time on
 the image path (two sub-requests a request: building, header maps, payload objects, timers);
 here a request is one write of prebuilt bytes and a parser callback per event. Passed-through
 routes, media fetches and health probes (rare, and needing redirects, decompression, any
-method) stay on the aiohttp session (client_aiohttp).
+method) stay on the aiohttp session (aiohttp_impl).
 
 Every stage runs under its own deadline; beside it, each wait for the instance's next bytes
 (its answer's head, then each piece of the body) ends after `read_timeout_s` with an
@@ -25,9 +25,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from epdctl.proxy.client import with_key
-from epdctl.proxy.client_aiohttp import AiohttpUpstream
 from epdctl.proxy.errors import UpstreamError
+from epdctl.proxy.transport.base import with_key
 
 SEPARATE_BODY_BYTES = 1 << 20
 """Bodies from this size on are written after their head, not joined to it (a copy)."""
@@ -354,17 +353,19 @@ class _Pool:
         self.idle.clear()
 
 
-class RawUpstream(AiohttpUpstream):
-    """POSTs over the proxy's own pools; request, fetch and probe through aiohttp."""
+class RawUpstream:
+    """POSTs to the instances over the proxy's own pools (the other calls of the contract
+    go to aiohttp_impl: transport.Split)."""
 
-    def __init__(self, session: object, connect_timeout_s: float, api_key: str | None = None,
+    def __init__(self, connect_timeout_s: float, api_key: str | None = None,
                  keepalive_s: float = 2.0, max_connections: int = MAX_CONNECTIONS) -> None:
-        super().__init__(session, connect_timeout_s, api_key)  # type: ignore[arg-type]
+        self._connect_s = connect_timeout_s
+        self._auth = f"Bearer {api_key}" if api_key else None
         self._keepalive_s = keepalive_s
         self._limit = max_connections
         self._pools: dict[str, _Pool] = {}
 
-    async def post(  # type: ignore[override]
+    async def post(
             self, base: str, path: str, body: bytes, headers: Mapping[str, str],
             read_timeout_s: float, stage: str) -> RawReply:
         pool = self._pools.get(base)

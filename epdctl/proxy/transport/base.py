@@ -1,0 +1,49 @@
+"""The upstream transport contract: what every stage relies on from the client that talks
+to the instances, whichever implementation (`transport/*_impl.py`) is chosen.
+
+- `post` sends a sub-request and returns its Reply once the answer's head is in; `request`
+  does the same for any method (passed-through routes); `fetch` gets a media URL whole,
+  `probe` a health URL's verdict.
+- Failures raise UpstreamError: "unavailable" when no answer began (refused, reset before
+  any byte: retryable), "broken" when one began and was cut short, "timeout" when the
+  instance stayed silent past `read_timeout_s` (each wait for its next bytes).
+- Header values are ASCII (routing.header_id); an instance URL is http://host:port
+  (config refuses https); a body is written as the instance takes it; an implementation
+  bounds its connections to one instance and closes idle ones after keep-alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+
+class Reply(Protocol):
+    """An upstream response whose body has not been read yet."""
+
+    status: int
+    content_type: str
+
+    def header_list(self) -> list[tuple[bytes, bytes]]: ...
+    async def read(self) -> bytes: ...
+    def chunks(self) -> AsyncIterator[bytes]: ...
+    async def close(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """POST (or any method) to an instance, fetch media, probe health; failures raise
+    UpstreamError: "unavailable" when no response arrived, "broken" when one began."""
+
+    async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str],
+                   read_timeout_s: float, stage: str) -> Reply: ...
+    async def request(self, method: str, base: str, path: str, body: bytes,
+                      headers: Mapping[str, str], read_timeout_s: float, stage: str
+                      ) -> Reply: ...
+    async def fetch(self, url: str, timeout_s: float, max_bytes: int) -> tuple[int, str, bytes]:
+        ...
+    async def probe(self, url: str, timeout_s: float) -> bool: ...
+
+
+def with_key(headers: Mapping[str, str], auth: str | None) -> Mapping[str, str]:
+    """A sub-request's headers plus the instances' `authorization`, when they require one."""
+    return headers if auth is None else {**headers, "authorization": auth}
