@@ -17,6 +17,7 @@ and readers map pooled files as they appear (`_prefault`).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -25,6 +26,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 SWEEP_S = 1.0
 # madvise options of Linux 5.14 that Python 3.11's mmap module does not name yet.
@@ -203,11 +205,23 @@ def _close(m: _Map) -> None:
 
 def prefault(mm: mmap.mmap, *, write: bool) -> None:
     """Fault every page of `mm` in now: allocate (and zero) a new file's pages, fill the
-    page tables. In chunks, so that no other thread waits long for the GIL or for this
-    process's mmap lock (one MAP_POPULATE of 64 MiB holds it for 100+ ms)."""
+    page tables. In chunks, so that no other thread waits long for this process's mmap
+    lock (one MAP_POPULATE of 64 MiB holds it for 100+ ms); a writable mapping's chunks
+    (allocating and zeroing: the costly kind) with the GIL released, too."""
+    address = None
+    if write:
+        try:
+            anchor = ctypes.c_char.from_buffer(mm)  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # not writable after all, or empty
+            pass
+        else:
+            address = ctypes.addressof(anchor)
+            del anchor  # the address stays valid while `mm` is mapped; the export must go
     option = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
     for start in range(0, len(mm), PREFAULT_CHUNK_BYTES):
         length = min(PREFAULT_CHUNK_BYTES, len(mm) - start)
+        if address is not None and _madvise(address + start, length, option):
+            continue
         try:
             mm.madvise(option, start, length)
         except OSError:  # before Linux 5.14 (EINVAL): touch a byte of every page instead
@@ -216,6 +230,20 @@ def prefault(mm: mmap.mmap, *, write: bool) -> None:
                     mm[offset] = mm[offset]  # nobody else writes a pooled file
                 else:
                     _ = mm[offset]
+
+
+def _madvise(address: int, length: int, option: int) -> bool:
+    """madvise(2) through ctypes, which releases the GIL for the call; False if it failed."""
+    global _libc_madvise
+    if _libc_madvise is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        _libc_madvise = libc.madvise
+        _libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc_madvise.restype = ctypes.c_int
+    return bool(_libc_madvise(address, length, option) == 0)
+
+
+_libc_madvise: Any = None
 
 
 # One set per process: E's writer and P's readers meet the same inodes again and again.

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from epdctl.cache import _recycle
+from epdctl.cache import _maps, _recycle
 from epdctl.cache._maps import MAPPINGS, prefault
 from epdctl.cache._prefault import Premapper, entries_bytes
 from epdctl.cache.janitor import enforce
@@ -207,8 +207,9 @@ class _OldKernelMap(bytearray):
 
 @pytest.mark.parametrize("write", [True, False])
 def test_prefaulting_without_madv_populate_touches_every_page_and_keeps_the_bytes(
-    write: bool,
+    write: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(_maps, "_madvise", lambda address, length, option: False)  # EINVAL
     data = bytes(range(1, 256)) * 65  # 4 pages and a bit, no page starting with a zero
     mm = _OldKernelMap(data)
     prefault(mm, write=write)  # type: ignore[arg-type]
