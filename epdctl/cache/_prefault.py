@@ -35,6 +35,9 @@ RECENT_SIZES = 8  # the stocker makes files of the largest of the last saves' si
 # 2-core VM). A pass also yields to the next save after each file.
 QUIET_S = 0.005
 QUIET_BYTES_PER_S = 1e9
+# Both threads run this much nicer than the engine (Linux: per thread): the CPU goes to the
+# requests first, and the pool's 8 files leave the stocker time to catch up.
+BACKGROUND_NICE = 10
 WATCH_S = 0.05  # how often a reader looks for new pooled files (one listdir)
 STOP_TIMEOUT_S = 5.0
 
@@ -156,6 +159,7 @@ class Stocker:
         return path
 
     def _run(self) -> None:
+        _be_nice()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._done != self._wanted or self._stopped)
@@ -231,8 +235,19 @@ class Premapper:
         return 1
 
     def _run(self) -> None:
+        _be_nice()
         while not self._stop.wait(self.watch_s):
             self.scan()
+
+
+def _be_nice() -> None:
+    """Lower the calling thread's priority by BACKGROUND_NICE (best effort)."""
+    try:
+        tid = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, nice + BACKGROUND_NICE))
+    except (OSError, AttributeError):
+        pass
 
 
 def _unlink(path: str) -> None:
