@@ -35,6 +35,7 @@ RECENT_SIZES = 8  # the stocker makes files of the largest of the last saves' si
 # 2-core VM). A pass also yields to the next save after each file.
 QUIET_S = 0.005
 QUIET_BYTES_PER_S = 1e9
+IDLE_POLL_S = 0.05  # how often an idle stocker looks for saves (saves do not wake it)
 # Both threads run this much nicer than the engine (Linux: per thread): the CPU goes to the
 # requests first, and the pool's 8 files leave the stocker time to catch up.
 BACKGROUND_NICE = 10
@@ -61,7 +62,7 @@ def entries_bytes(entries: Path) -> int:
 class Stocker:
     """Keeps a namespace's pool stocked with pre-faulted files of the size saves need.
 
-    `wrote()` (after each save) wakes a daemon thread, started in the process that saves;
+    `wrote()` (after each save) tells a daemon thread, started in the process that saves;
     once saves have been quiet for a while (QUIET_S) it adds files until the pool holds
     FREE_MAX_FILES that fit, or the capacity leaves no room for another (entries + pool
     within `capacity_bytes`, pool within its share), or another save comes.
@@ -81,12 +82,16 @@ class Stocker:
         self._thread: threading.Thread | None = None
 
     def wrote(self, size_bytes: int) -> None:
-        """A save of `size_bytes` (header included) happened: restock in the background."""
+        """A save of `size_bytes` (header included) happened: restock in the background.
+
+        The thread is not woken here: woken in the middle of the hand-off it would take the
+        GIL back from the saving thread, and a busy machine may deschedule it while it holds
+        it (the save then waits milliseconds). It looks every IDLE_POLL_S instead.
+        """
         with self._cond:
             self._sizes.append(size_bytes)
             self._wanted += 1
             self._last_save = time.monotonic()
-            self._cond.notify_all()
             if self._pid != os.getpid() and not self._stopped:
                 # First save in this process (threads do not survive a fork).
                 self._pid = os.getpid()
@@ -162,8 +167,11 @@ class Stocker:
         _be_nice()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._done != self._wanted or self._stopped)
-                while not self._stopped:  # until the saves have been quiet for a while
+                # Until there are saves to answer and they have been quiet for a while.
+                while not self._stopped:
+                    if self._done == self._wanted:
+                        self._cond.wait(IDLE_POLL_S)
+                        continue
                     size = max(self._sizes, default=0)
                     left = self._last_save + QUIET_S + size / QUIET_BYTES_PER_S - time.monotonic()
                     if left <= 0:
