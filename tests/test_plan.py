@@ -64,8 +64,7 @@ def test_shipped_topology_plans(path: Path) -> None:
                 "ec_connector": cache.CONNECTOR_NAME,
                 "ec_connector_module_path": cache.CONNECTOR_MODULE, **role,
                 "ec_connector_extra_config": {"store_dir": str(topology.cache.dir),
-                                              "namespace": result.namespace,
-                                              "capacity_bytes": topology.cache.capacity},
+                                              "namespace": result.namespace},
             }
         else:
             assert ec is None
@@ -105,8 +104,7 @@ def test_1e1pd_exact() -> None:
         return (
             '{"ec_connector":"EpdctlShmECConnector","ec_connector_module_path":"epdctl.connector",'
             f'"ec_role":"{role}","engine_id":"qwen-vl-1e1pd-{name}","ec_connector_extra_config":'
-            f'{{"store_dir":"/dev/shm/epdctl-{os.geteuid()}","namespace":"{ns}",'
-            f'"capacity_bytes":{8 << 30}}}}}'
+            f'{{"store_dir":"/dev/shm/epdctl-{os.geteuid()}","namespace":"{ns}"}}}}'
         )
 
     assert encode.argv == (
