@@ -112,10 +112,11 @@ def test_outputs_equal_the_baseline(
 
 
 def test_different_images_answer_differently(demo: tuple[TopologyRun, Server]) -> None:
-    """Guards the equality tests: the tiny model's answer does depend on the image."""
+    """Guards the equality tests: the tiny model's answer does depend on the image (images
+    31, 34 and 35 open their answers apart; 32 and 33 happen to open alike)."""
     run, _ = demo
     answers = {chat(run.proxy_url, MODEL, image_urls=[image_data_url(make_image(s))])
-               for s in (31, 32, 33)}
+               for s in (31, 34, 35)}
     assert len(answers) == 3
 
 
