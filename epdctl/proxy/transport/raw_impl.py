@@ -306,12 +306,18 @@ class _Pool:
     async def connect(self, timeout_s: float) -> _Conn:
         """A new connection, in the place `acquire` reserved."""
         loop = asyncio.get_running_loop()
+        made: list[_Conn] = []
+
+        def factory() -> _Conn:
+            made.append(_Conn(self))
+            return made[-1]
+
         try:
             async with asyncio.timeout(timeout_s):
-                _, conn = await loop.create_connection(lambda: _Conn(self), self.host,
-                                                       self.port)
+                _, conn = await loop.create_connection(factory, self.host, self.port)
         except BaseException:
-            self.lost_one()
+            if not (made and made[0].transport is not None):
+                self.lost_one()  # else its connection_lost gives the place back
             raise
         return conn
 
