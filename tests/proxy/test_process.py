@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import quote
@@ -108,6 +108,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _until_healthy(base: str, proc: subprocess.Popen[bytes], log: Path,
+                   is_ready: Callable[[httpx.Response], object]) -> None:
+    """Until the proxy's /health satisfies `is_ready` (20 s at most, and while it runs)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if is_ready(httpx.get(base + "/health")):
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
 @pytest.fixture(params=["aiohttp", "httpx"])
 def proxy(request, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     enc, pd = _serve("encode"), _serve("prefill_decode")
@@ -126,16 +140,8 @@ def proxy(request, tmp_path: Path) -> Iterator[tuple[str, Path]]:
                                 start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 20
-        while True:
-            try:
-                if httpx.get(base + "/health").json()["roles"]["prefill_decode"]["out"]:
-                    break  # up, and the dead PD instance has been ejected
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, log.read_text()
-            assert time.time() < deadline, log.read_text()
-            time.sleep(0.1)
+        # up, and the dead PD instance has been ejected
+        _until_healthy(base, proc, log, lambda h: h.json()["roles"]["prefill_decode"]["out"])
         yield base, log
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -268,15 +274,7 @@ def test_a_hung_tokenize_while_resuming_ends_the_stream_within_its_deadline(tmp_
                                 start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        _until_healthy(base, proc, log, lambda h: h.status_code == 200)
         began = time.monotonic()
         body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         with httpx.stream("POST", base + "/v1/chat/completions", json=body,
