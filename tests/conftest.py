@@ -30,6 +30,7 @@ def _no_epdctl_env_left() -> Iterator[None]:
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         pytest.fail(f"the test left the environment changed: {changed}")
 
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """An async test's deadline ends the run with every thread's stack (pytest-timeout's
     "thread" method): the "signal" method raises inside the event loop, whose teardown
