@@ -34,8 +34,10 @@ class SoFar:
 
 
 def split_events(buf: bytes) -> tuple[bytes, bytes]:
-    """Complete events, and what is left of one not yet complete."""
-    end = max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\n\r\n") + 3, 0)
+    """Complete events, and what is left of one not yet complete (all of `buf` when no
+    event in it is complete)."""
+    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
     return buf[:end], buf[end:]
 
 

@@ -143,11 +143,14 @@ async def test_a_stream_broken_after_some_chunks_goes_on_from_the_text_sent(rig_
     assert resumed.headers["x-request-id"] == rig.fakes.to(pd0)[0].headers["x-request-id"]
 
 
-async def test_a_stream_broken_mid_event_sends_no_half_event(rig_factory):
+@pytest.mark.parametrize("alone", [False, True], ids=["after-events", "alone"])
+async def test_a_stream_broken_mid_event_sends_no_half_event(rig_factory, alone):
+    """Not a byte of the half event, whether it came in one read with whole events or in
+    a read of its own (chunk by chunk on the socket: the proxy reads them apart)."""
     rig = pd2(rig_factory)
     pd0, pd1 = order(rig)
     half = sse(chat_chunk("lo"))[:12]
-    rig.fakes.then(pd0, breaks(HEAD[0] + HEAD[1] + half))
+    rig.fakes.then(pd0, breaks(*HEAD, half) if alone else breaks(HEAD[0] + HEAD[1] + half))
     rig.fakes.then(pd1, tokenize(HEL), lambda seen: sse_response(*REST))
     r = await rig.chat("hi", stream=True)
     assert r.content == plain(*HEAD, *REST[1:])
