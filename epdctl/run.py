@@ -39,7 +39,7 @@ from epdctl.launcher import (
 from epdctl.readiness import STARTUP_TIMEOUT_S, is_ready
 from epdctl.shm import release
 from epdctl.spec import Plan
-from epdctl.state import RunState, Settings, StateDir, process_matches
+from epdctl.state import Record, RunState, Settings, StateDir, process_matches
 from epdctl.topology import Topology, load_topology, require_local_model
 
 # Replaces `python -m epdctl.proxy` (its arguments kept): tests, or a proxy of your own.
@@ -306,6 +306,16 @@ def stop(sdir: StateDir, state: RunState | None, timeout_s: float = STOP_TIMEOUT
     return result
 
 
+FORCED_EXIT_S = 10.0
+"""How long a supervisor told to stop at once (a second SIGTERM) may take to SIGKILL its
+groups and exit, before `down` kills it too."""
+
+
+def _wait_gone(proc: Record, until: float) -> None:
+    while process_matches(proc.pid, proc.create_time) and time.monotonic() < until:
+        time.sleep(0.05)
+
+
 def _stop_processes(
     sdir: StateDir, state: RunState | None, timeout_s: float = STOP_TIMEOUT_S, *,
     should_scan: bool = False,
@@ -325,9 +335,12 @@ def _stop_processes(
     is_sup_alive = sup is not None and bool(process_matches(sup.pid, sup.create_time))
     if sup is not None and is_sup_alive:
         os.kill(sup.pid, signal.SIGTERM)  # it stops the groups itself, proxy first
-        while process_matches(sup.pid, sup.create_time) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    # Past the deadline a second SIGTERM makes a live supervisor SIGKILL at once, too.
+        _wait_gone(sup, deadline)
+        if process_matches(sup.pid, sup.create_time):
+            # Past the deadline a second SIGTERM makes it SIGKILL what is left at once (and
+            # write down what it killed): a few moments, however loaded the machine.
+            os.kill(sup.pid, signal.SIGTERM)
+            _wait_gone(sup, time.monotonic() + FORCED_EXIT_S)
     last = stop_all(procs, max(deadline - time.monotonic(), 0.5))
     if state is not None:
         for record in state.records.values():

@@ -30,7 +30,7 @@ def test_any_reads_give_whole_events_every_byte_once(events, cuts):
     bounds = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
     out: list[bytes] = []
     tail = b""
-    for start, stop in zip(bounds, bounds[1:]):
+    for start, stop in zip(bounds, bounds[1:], strict=False):
         whole, tail = split_events(tail + stream[start:stop])
         assert whole == b"" or whole.endswith(ENDS), whole
         out.append(whole)

@@ -1,15 +1,16 @@
 """No request lost when PD dies (real vLLM, tiny LLaVA, cpu-demo E|PD with two PD replicas,
 `restart: on-failure`), temperature 0:
 
-1. pd-0 SIGKILLed under 12 concurrent image requests, half streamed: requests waiting or
-   half answered go on at pd-1, and every answer equals the aggregated one (streams by the
-   text their deltas add up to), none lost.
+1. One PD SIGKILLed under 12 concurrent image requests, half streamed: requests waiting or
+   half answered go on at the other, and every answer equals the aggregated one (streams by
+   the text their deltas add up to), none lost.
 2. Both PDs SIGKILLed under 12 more: no instance is healthy, as with one PD; the requests
    wait for the restarted ones (inside `proxy.replay_wait`) and again all answer exactly.
 
-A kill lands when a stream served by a PD to kill is under way (seen, not timed: its client
-has its first tokens and more to come, and that PD's own log names the stream's id); the
-PDs are frozen while the stream and the logs are looked at (the window is short). Each test
+A kill lands when a stream is under way (seen, not timed: its client has its first tokens
+and more to come), on the PD whose own log names the stream's id: the proxy chooses where
+each request goes, the test only which PD serves a stream. The PDs are frozen while the
+stream and the logs are looked at (the window is short). Each test
 first waits for every instance to be ready, whatever the one before left.
 
 The aggregated answers: PD itself with the image under a uuid of its own (it encodes
@@ -136,17 +137,21 @@ def reference(probe: Probe, seed: int) -> tuple[str, list[str]]:
     return REFERENCE[seed]
 
 
-def under_load(probe: Probe, kill: list[str]) -> tuple[dict[int, Any], float]:
-    """12 requests (even seeds streamed); SIGKILL `kill` once a stream one of them serves is
-    under way (its client has its first tokens, and UNDER_WAY more are to come; that PD's
-    own log names the stream's id). Every answer, and the seconds from the kill to the last.
+def under_load(probe: Probe, count: int) -> tuple[dict[int, Any], float, list[str]]:
+    """12 requests (even seeds streamed); SIGKILL `count` of the two PDs once a stream one
+    of them serves is under way (its client has its first tokens, and UNDER_WAY more are to
+    come; that PD's own log names the stream's id): that PD first. Every answer, the seconds
+    from the kill to the last, and the PDs killed.
 
     The window is a second or two of decoding, no longer than a look at the logs on a
-    loaded machine: once a stream is under way, `kill` is frozen (SIGSTOP), the stream and
-    the logs looked at while nothing moves, and thawed to try again if the moment has
-    passed (or the stream is another PD's)."""
+    loaded machine: once a stream is under way, both PDs are frozen (SIGSTOP), the stream
+    and the logs looked at while nothing moves, and thawed to try again if the moment has
+    passed. Which PD serves which request is the proxy's choice: the one serving a stream
+    under way is the one killed."""
     started: dict[int, list[Any]] = {}
-    pids = [probe.pid(name) for name in kill]
+    pds = ["pd-0", "pd-1"]
+    pids = {name: probe.pid(name) for name in pds}
+    killed: list[str] = []
     with ThreadPoolExecutor(REQUESTS) as pool:
         futures: dict[int, Future[Any]] = {}
         for seed in SEEDS:
@@ -161,17 +166,20 @@ def under_load(probe: Probe, kill: list[str]) -> tuple[dict[int, Any], float]:
 
         looks: list[int] = []  # streams under way at each frozen look, for a failure's message
 
-        def signal_all(sig: signal.Signals) -> None:
-            for pid in pids:
-                kill_group(pid, sig)
+        def signal_all(sig: signal.Signals, names: list[str] = pds) -> None:
+            for name in names:
+                kill_group(pids[name], sig)
 
         def is_time() -> bool:
             if not under_way():
                 return False
             signal_all(signal.SIGSTOP)
-            logs = [probe.run.log(name) for name in kill]
-            looks.append(len(under_way()))
-            if any(f"Received request {rid}:" in log for rid in under_way() for log in logs):
+            rids = under_way()
+            looks.append(len(rids))
+            serving = [name for name in pds
+                       if any(f"Received request {rid}:" in probe.run.log(name) for rid in rids)]
+            if serving:
+                killed.extend((serving + [n for n in pds if n not in serving])[:count])
                 return True
             signal_all(signal.SIGCONT)
             return False
@@ -182,9 +190,10 @@ def under_load(probe: Probe, kill: list[str]) -> tuple[dict[int, Any], float]:
             signal_all(signal.SIGCONT)
             raise
         killed_at = time.monotonic()
-        signal_all(signal.SIGKILL)
+        signal_all(signal.SIGKILL, killed)
+        signal_all(signal.SIGCONT, [n for n in pds if n not in killed])
         answers = {seed: f.result(timeout=REPLAY_WAIT_S + 300) for seed, f in futures.items()}
-    return answers, time.monotonic() - killed_at
+    return answers, time.monotonic() - killed_at, killed
 
 
 def check_exact(probe: Probe, answers: dict[int, Any]) -> None:
@@ -250,21 +259,21 @@ KILLS = 2
 """Kills test_one_of_two_pds_killed may take to land inside a stream. The stream it aims at
 had UNDER_WAY tokens to come at the client, but a PD on a fast CPU may have sent them all
 before it froze (into loopback sockets that hold megabytes): its streams then end whole,
-none resumed, and it is killed again once it is back (the module's kills stay within the
-topology's max_restarts)."""
+none resumed, and one is killed again once it is back (the module's kills stay within the
+topology's max_restarts: at most three of one PD)."""
 
 
 def test_one_of_two_pds_killed(probe: Probe) -> None:
     for kill in range(1, KILLS + 1):
         restarts = all_ready(probe)
         at = probe.mark("proxy")
-        answers, took_s = under_load(probe, ["pd-0"])
+        answers, took_s, [pd] = under_load(probe, 1)
         check_exact(probe, answers)
         replayed, resumed, hows = replays(probe, at)
-        print(f"\none PD of two killed (kill {kill}): all {REQUESTS} answered exactly; "
+        print(f"\none PD of two killed ({pd}, kill {kill}): all {REQUESTS} answered exactly; "
               f"{replayed} replayed, {resumed} streams resumed ({hows}); the last answer "
               f"{took_s:.1f}s after the kill")
-        wait_ready(probe, {"pd-0": restarts["pd-0"] + 1})
+        wait_ready(probe, {pd: restarts[pd] + 1})
         if resumed:
             break
     assert resumed >= 1, probe.run.log("proxy")[at:]
@@ -275,7 +284,7 @@ def test_one_of_two_pds_killed(probe: Probe) -> None:
 def test_no_pd_left_waits_for_the_restart(probe: Probe) -> None:
     restarts = all_ready(probe)
     at = probe.mark("proxy")
-    answers, took_s = under_load(probe, ["pd-0", "pd-1"])
+    answers, took_s, _ = under_load(probe, 2)
     check_exact(probe, answers)
     replayed, resumed, hows = replays(probe, at)
     print(f"\nevery PD killed: all {REQUESTS} answered exactly after the restart; "
