@@ -227,6 +227,7 @@ class Skip:
     that were generated, only the same request, whole, gives the same answer."""
 
     def __init__(self, text: str, route: str) -> None:
+        self.text = text
         self.left = text
         self.key = "content" if route == CHAT else "text"
 
@@ -249,7 +250,10 @@ class Skip:
                 continue  # the opening chunk: the client had one
             n = min(len(piece), len(self.left))
             if piece[:n] != self.left[:n]:
-                raise Diverged(f"{piece[:n]!r} where {self.left[:n]!r} was sent")
+                at = len(self.text) - len(self.left)
+                before = self.text[max(at - 24, 0):at]
+                raise Diverged(f"{piece[:n]!r} where {self.left[:n]!r} was sent, at character "
+                               f"{at} of {len(self.text)} (after {before!r})")
             self.left = self.left[n:]
             if n == len(piece) and choice.get("finish_reason") is None:
                 continue

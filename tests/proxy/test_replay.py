@@ -304,7 +304,8 @@ async def test_an_answer_that_differs_when_generated_again_ends_with_the_error_e
         HEAD[0], sse(chat_chunk("Hi")), *REST[2:]))
     r = await rig.chat("hi", stream=True)
     _, events = texts(r.content)
-    assert "generated again differs" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["message"] == ("the answer generated again differs: 'Hi' where "
+                                              "'He' was sent, at character 0 of 3 (after '')")
     assert "[DONE]" not in events
 
 

@@ -192,7 +192,13 @@ def under_load(probe: Probe, count: int) -> tuple[dict[int, Any], float, list[st
         killed_at = time.monotonic()
         signal_all(signal.SIGKILL, killed)
         signal_all(signal.SIGCONT, [n for n in pds if n not in killed])
-        answers = {seed: f.result(timeout=REPLAY_WAIT_S + 300) for seed, f in futures.items()}
+        try:
+            answers = {seed: f.result(timeout=REPLAY_WAIT_S + 300)
+                       for seed, f in futures.items()}
+        except AssertionError as exc:  # what the proxy said of its replays tells the most
+            said = [line for line in probe.run.log("proxy").splitlines() if " WARNING " in line]
+            raise AssertionError(f"{exc}\nkilled {killed}; the proxy's warnings:\n"
+                                 + "\n".join(said[-40:])) from exc
     return answers, time.monotonic() - killed_at, killed
 
 
