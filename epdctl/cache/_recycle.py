@@ -151,7 +151,7 @@ def claim(
 def _take(path: str, tmp: str, size: int) -> tuple[int, os.stat_result] | None:
     try:
         os.rename(path, tmp)  # atomic: of two writers, one gets it
-    except FileNotFoundError:
+    except OSError:  # another took it first, or the pool is broken: a fresh file then
         return None
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW)  # read too: the writer maps it

@@ -92,6 +92,24 @@ def test_an_entry_written_into_a_pooled_file_reads_back_exactly(store_root: Path
         store.close()
 
 
+def test_a_broken_pool_is_passed_by_and_a_fresh_file_saved(store_root: Path) -> None:
+    """The pool's directory replaced by a file: the save writes a fresh file, the stocker
+    and a reader's premapper go on without it."""
+    store = Store(store_root, "ns-test", capacity_bytes=1 << 30).create()
+    try:
+        save(store, "first", seed=1)
+        hint = next(iter(pooled(store).values()))
+        os.rename(store.free, store.root / "free.aside")
+        store.free.write_bytes(b"not a directory")
+        assert _recycle.claim(store.free, f"{store.tmp}/t", TOTAL, hint) is None
+        assert Premapper(store.free).scan() == 0
+        assert save(store, "second", seed=2) == read(store, "second")
+        assert os.stat(store.entry_path("second")).st_ino not in {
+            os.stat(p).st_ino for p, _ in _recycle.pool_files(store.root / "free.aside")}
+    finally:
+        store.close()
+
+
 def test_a_reader_maps_the_pool_in_the_background(store_root: Path) -> None:
     writer = Store(store_root, "ns-test", capacity_bytes=1 << 30).create()
     reader = Store(store_root, "ns-test")

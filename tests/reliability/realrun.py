@@ -72,7 +72,8 @@ def topology(src: str, tmp: Path, model: Path, cache_dir: Path,
 @contextmanager
 def broken_store(run: TopologyRun) -> Iterator[None]:
     """E cannot save while inside: its tmpfs is full (a real ENOSPC) when store_root() could
-    mount one, else the namespace's tmp/ is a file (ENOTDIR). Healed on the way out."""
+    mount one, else the namespace's tmp/ is a file (ENOTDIR); and its pool of spare files
+    (pre-allocated: a save into one needs no room) is a file too. Healed on the way out."""
     from epdctl.cache.store import Store
 
     store = Store(run.cache_dir, run.state().namespace)
@@ -92,10 +93,16 @@ def broken_store(run: TopologyRun) -> Iterator[None]:
         os.rename(store.tmp, store.root / "tmp.aside")
         broken = store.tmp
         broken.write_bytes(b"a file where the store wants a directory")
+    # Renamed, not emptied: the spares keep their pages (the tmpfs stays full), and a spare
+    # the writer is still making cannot land there.
+    os.rename(store.free, store.root / "free.aside")
+    store.free.write_bytes(b"a file where the store wants a directory")
     try:
         yield
     finally:
         broken.unlink()
+        store.free.unlink()
+        os.rename(store.root / "free.aside", store.free)
         if not is_small:
             os.rename(store.root / "tmp.aside", store.tmp)
 
