@@ -78,33 +78,37 @@ def broken_store(run: TopologyRun) -> Iterator[None]:
 
     store = Store(run.cache_dir, run.state().namespace)
     is_small = run.cache_dir.name == "small-shm"
-    if is_small:
-        broken = run.cache_dir / "filler"
-        block = b"\0" * (256 << 10)
-        fd = os.open(broken, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            while True:  # unbuffered: a short write, then ENOSPC, and nothing left to flush
-                os.write(fd, block)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
-        finally:
-            os.close(fd)
-    else:
-        os.rename(store.tmp, store.root / "tmp.aside")
-        broken = store.tmp
-        broken.write_bytes(b"a file where the store wants a directory")
-    # Renamed, not emptied: the spares keep their pages (the tmpfs stays full), and a spare
-    # the writer is still making cannot land there.
-    os.rename(store.free, store.root / "free.aside")
-    store.free.write_bytes(b"a file where the store wants a directory")
+    undo: list[Callable[[], None]] = []
+
+    def aside(path: Path) -> None:
+        """`path` renamed aside (its files keep their pages) and an empty file in its place
+        (an inode, no page: it fits a full tmpfs)."""
+        os.rename(path, path.with_name(f"{path.name}.aside"))
+        undo.append(lambda: os.rename(path.with_name(f"{path.name}.aside"), path))
+        path.touch()
+        undo.append(path.unlink)
+
     try:
+        # The pool first: a spare the writer is still making cannot land there after.
+        aside(store.free)
+        if is_small:
+            filler = run.cache_dir / "filler"
+            block = b"\0" * (256 << 10)
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            undo.append(filler.unlink)
+            try:
+                while True:  # unbuffered: a short write, then ENOSPC, and nothing to flush
+                    os.write(fd, block)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+            finally:
+                os.close(fd)
+        else:
+            aside(store.tmp)
         yield
     finally:
-        broken.unlink()
-        store.free.unlink()
-        os.rename(store.root / "free.aside", store.free)
-        if not is_small:
-            os.rename(store.root / "tmp.aside", store.tmp)
+        for step in reversed(undo):
+            step()
 
 
 def debug_logs(data: dict[str, Any]) -> None:
