@@ -30,8 +30,12 @@ SIDE_HOST_ENV = "VLLM_EC_SIDE_CHANNEL_HOST"
 SIDE_PORT_ENV = "VLLM_EC_SIDE_CHANNEL_PORT"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 MOONCAKE_EXTRA: Mapping[str, Any] = {"mooncake_protocol": "tcp"}
-# What epdctl plans itself in ec_connector_extra_config, per connector.
-_PLANNED_KEYS = {OURS: ("store_dir", "namespace"), EXAMPLE: (EXAMPLE_PATH_KEY,)}
+# What epdctl plans itself in ec_connector_extra_config, per connector: the setting it comes
+# from.
+_PLANNED_KEYS = {
+    OURS: {"store_dir": "cache.dir", "namespace": "cache.dir", "capacity_bytes": "cache.capacity"},
+    EXAMPLE: {EXAMPLE_PATH_KEY: "cache.dir"},
+}
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _CUSTOM = re.compile(rf"({_IDENT}(?:\.{_IDENT})*):({_IDENT})")
 
@@ -74,9 +78,10 @@ def uses_store(connector: str) -> bool:
 def problems(topology: Topology) -> list[str]:
     """Connector settings that cannot work, one line each (empty: fine)."""
     c, where = topology.cache, "cache -> connector"
-    lines = [f"cache -> extra_config: {key} is planned by epdctl for {c.connector} (under "
-             "cache.dir); set cache.dir instead"
-             for key in _PLANNED_KEYS.get(c.connector, ()) if key in c.extra_config]
+    lines = [f"cache -> extra_config: {key} is planned by epdctl for {c.connector} ("
+             f"{'under' if field == 'cache.dir' else 'from'} {field}); set {field} instead"
+             for key, field in _PLANNED_KEYS.get(c.connector, {}).items()
+             if key in c.extra_config]
     encode = topology.roles.get("encode")
     if c.connector == MOONCAKE:
         if topology.device == "cpu":
@@ -119,7 +124,9 @@ def transfer_config(topology: Topology, role: str, engine_id: str, namespace: st
     config["engine_id"] = engine_id
     extra: dict[str, Any] = {}
     if connector == OURS:
-        extra = {"store_dir": str(topology.cache.dir), "namespace": namespace}
+        # The capacity: E keeps spare pre-faulted files within it (cache/_prefault.py).
+        extra = {"store_dir": str(topology.cache.dir), "namespace": namespace,
+                 "capacity_bytes": topology.cache.capacity}
     elif connector == EXAMPLE:
         extra = {EXAMPLE_PATH_KEY: str(topology.cache.dir / namespace)}
     elif connector == MOONCAKE:

@@ -122,7 +122,8 @@ class Cache(BaseModel):
     reach (epdctl creates it with mode 0700). A relative path is relative to the topology
     file."""
     capacity: Bytes = 8 << 30
-    """Byte budget the janitor keeps the namespace under (`8GiB`, `512MiB`, or bytes)."""
+    """Byte budget of the namespace (`8GiB`, `512MiB`, or bytes): its entries and the spare
+    files E keeps pre-faulted for its next saves (the pool) stay within it."""
     ttl: Seconds = 1800.0
     """Entries unused for this long are evicted (`30m`, `90s`, or seconds)."""
     grace: Seconds = 120.0

@@ -64,7 +64,8 @@ def test_shipped_topology_plans(path: Path) -> None:
                 "ec_connector": cache.CONNECTOR_NAME,
                 "ec_connector_module_path": cache.CONNECTOR_MODULE, **role,
                 "ec_connector_extra_config": {"store_dir": str(topology.cache.dir),
-                                              "namespace": result.namespace},
+                                              "namespace": result.namespace,
+                                              "capacity_bytes": topology.cache.capacity},
             }
         else:
             assert ec is None
@@ -104,7 +105,8 @@ def test_1e1pd_exact() -> None:
         return (
             '{"ec_connector":"EpdctlShmECConnector","ec_connector_module_path":"epdctl.connector",'
             f'"ec_role":"{role}","engine_id":"qwen-vl-1e1pd-{name}","ec_connector_extra_config":'
-            f'{{"store_dir":"/dev/shm/epdctl-{os.geteuid()}","namespace":"{ns}"}}}}'
+            f'{{"store_dir":"/dev/shm/epdctl-{os.geteuid()}","namespace":"{ns}",'
+            f'"capacity_bytes":{8 << 30}}}}}'
         )
 
     assert encode.argv == (

@@ -148,7 +148,8 @@ def test_our_connector_takes_extra_config_too_and_has_no_notes() -> None:
     topology = _topology(MODES["e-pd"], cache={"extra_config": {"trace": True}})
     result = _plan(topology)
     assert _ec(result.instances[0])["ec_connector_extra_config"] == {
-        "store_dir": str(STORE), "namespace": result.namespace, "trace": True}
+        "store_dir": str(STORE), "namespace": result.namespace,
+        "capacity_bytes": topology.cache.capacity, "trace": True}
     assert result.notes == ()
 
 
@@ -206,6 +207,9 @@ def _problems(data: dict) -> list[str]:
     ({"cache": {"extra_config": {"namespace": "mine"}}, "roles": MODES["e-pd"]},
      "cache -> extra_config: namespace is planned by epdctl for EpdctlShmECConnector (under "
      "cache.dir); set cache.dir instead"),
+    ({"cache": {"extra_config": {"capacity_bytes": 1}}, "roles": MODES["e-pd"]},
+     "cache -> extra_config: capacity_bytes is planned by epdctl for EpdctlShmECConnector "
+     "(from cache.capacity); set cache.capacity instead"),
     ({"cache": {"connector": "ECSharedMemoryConnector"}, "roles": MODES["e-pd"]},
      "cache -> connector: expected EpdctlShmECConnector, ECExampleConnector, "
      "ECMooncakeConnector, ECCPUConnector or module.path:ClassName, got "

@@ -19,3 +19,13 @@ async def until(predicate: Callable[[], object], what: str, timeout_s: float = W
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened within {timeout_s:g}s: {what}")
         await asyncio.sleep(poll_s)
+
+
+def until_sync(predicate: Callable[[], object], what: str, timeout_s: float = WAIT_S,
+               poll_s: float = 0.005) -> None:
+    """until(), for a test with no event loop (a background thread's effect on files)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened within {timeout_s:g}s: {what}")
+        time.sleep(poll_s)

@@ -10,11 +10,14 @@ A kept mapping holds its file's pages. A sweeper thread drops the mappings of fi
 no directory names any more (`st_nlink == 0`: evicted, not recycled) within `SWEEP_S`,
 so memory the janitor frees goes back to the kernel even while this process is idle.
 Accesses never go past the file's current size, so a file cut shorter (a recycled file
-is trimmed before it becomes an entry) never faults.
+is trimmed before it becomes an entry) never faults. A new entry gets a kept mapping ahead
+of its first copy too: the writer maps and pre-faults the files it stocks the pool with,
+and readers map pooled files as they appear (`_prefault`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -23,8 +26,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 SWEEP_S = 1.0
+# madvise options of Linux 5.14 that Python 3.11's mmap module does not name yet.
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
+PREFAULT_CHUNK_BYTES = 1 << 20
+PAGE_BYTES = mmap.PAGESIZE
 
 
 @dataclass
@@ -56,35 +65,62 @@ class Mappings:
         return len(self._maps)
 
     def view(
-        self, fd: int, size: int, *, write: bool, st: os.stat_result | None = None
+        self, fd: int, size: int, *, write: bool, st: os.stat_result | None = None,
+        populate: bool = False,
     ) -> memoryview:
         """The first `size` bytes of the file open as `fd` (its stat: `st`), kept mapped.
 
-        Release the view (`with`) when done: a mapping in use is never dropped.
+        Release the view (`with`) when done: a mapping in use is never dropped. `populate`:
+        fault a new mapping's pages in before it is kept (prefault), so that the next copy
+        through it runs at memcpy speed (the pool's stocker and pre-mapper).
         """
         st = os.fstat(fd) if st is None else st
         if size > st.st_size:
             raise OSError(errno.EIO, f"file holds {st.st_size} bytes, {size} expected")
         key = (st.st_dev, st.st_ino, write)
         with self._lock:
-            m = self._maps.get(key)
-            if m is not None and m.length < size:
-                # Mapped while the file was shorter (epdctl's files only shrink; safe anyway).
-                if not self._drop(key):
-                    os.close(self._maps.pop(key).fd)  # in use: its view keeps it mapped
-                m = None
-            if m is None:
-                m = _map(fd, st.st_size, write)
-                self._maps[key] = m
-                for old in list(self._maps)[: max(0, len(self._maps) - self.max_maps)]:
-                    self._drop(old)  # oldest first; one in use stays (BufferError)
-            else:
-                self._maps.move_to_end(key)
-            # Exported under the lock: the sweeper cannot close a mapping in use.
-            part = memoryview(m.mm)[:size]
+            part = self._find(key, size)
+        if part is None:
+            # Mapped (and pre-faulted) outside the lock: a copy in another thread must not
+            # wait for this one's page faults.
+            m = _map(fd, st.st_size, write)
+            if populate:
+                try:
+                    prefault(m.mm, write=write)
+                except BaseException:
+                    _close(m)
+                    raise
+            with self._lock:
+                part = self._find(key, size)
+                if part is None:
+                    self._maps[key] = m
+                    for old in list(self._maps)[: max(0, len(self._maps) - self.max_maps)]:
+                        self._drop(old)  # oldest first; one in use stays (BufferError)
+                    # Exported under the lock: the sweeper cannot close a mapping in use.
+                    part = memoryview(m.mm)[:size]
+            if part.obj is not m.mm:  # another thread mapped the file first: use its mapping
+                _close(m)
         if self._sweeper_pid != os.getpid():
             self._start_sweeper()
         return part
+
+    def _find(self, key: tuple[int, int, bool], size: int) -> memoryview | None:
+        """The kept mapping of `key` as a view of `size` bytes (lock held), or None."""
+        m = self._maps.get(key)
+        if m is None:
+            return None
+        if m.length < size:
+            # Mapped while the file was shorter (epdctl's files only shrink; safe anyway).
+            if not self._drop(key):
+                os.close(self._maps.pop(key).fd)  # in use: its view keeps it mapped
+            return None
+        self._maps.move_to_end(key)
+        return memoryview(m.mm)[:size]
+
+    def is_mapped(self, st: os.stat_result, *, write: bool) -> bool:
+        """Whether the file `st` describes is kept mapped (writable or read-only) here."""
+        with self._lock:
+            return (st.st_dev, st.st_ino, write) in self._maps
 
     def sweep(self) -> int:
         """Drop mappings of files no longer named anywhere; returns how many."""
@@ -160,6 +196,54 @@ def _map(fd: int, length: int, write: bool) -> _Map:
             raise
         raise OSError(errno.EINVAL, f"cannot map the file: {exc}") from None
     return _Map(own, mm, length)
+
+
+def _close(m: _Map) -> None:
+    m.mm.close()
+    os.close(m.fd)
+
+
+def prefault(mm: mmap.mmap, *, write: bool) -> None:
+    """Fault every page of `mm` in now: allocate (and zero) a new file's pages, fill the
+    page tables. In chunks, so that no other thread waits long for this process's mmap
+    lock (one MAP_POPULATE of 64 MiB holds it for 100+ ms); a writable mapping's chunks
+    (allocating and zeroing: the costly kind) with the GIL released, too."""
+    address = None
+    if write:
+        try:
+            anchor = ctypes.c_char.from_buffer(mm)  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # not writable after all, or empty
+            pass
+        else:
+            address = ctypes.addressof(anchor)
+            del anchor  # the address stays valid while `mm` is mapped; the export must go
+    option = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+    for start in range(0, len(mm), PREFAULT_CHUNK_BYTES):
+        length = min(PREFAULT_CHUNK_BYTES, len(mm) - start)
+        if address is not None and _madvise(address + start, length, option):
+            continue
+        try:
+            mm.madvise(option, start, length)
+        except OSError:  # before Linux 5.14 (EINVAL): touch a byte of every page instead
+            for offset in range(start, start + length, PAGE_BYTES):
+                if write:
+                    mm[offset] = mm[offset]  # nobody else writes a pooled file
+                else:
+                    _ = mm[offset]
+
+
+def _madvise(address: int, length: int, option: int) -> bool:
+    """madvise(2) through ctypes, which releases the GIL for the call; False if it failed."""
+    global _libc_madvise
+    if _libc_madvise is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        _libc_madvise = libc.madvise
+        _libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc_madvise.restype = ctypes.c_int
+    return bool(_libc_madvise(address, length, option) == 0)
+
+
+_libc_madvise: Any = None
 
 
 # One set per process: E's writer and P's readers meet the same inodes again and again.

@@ -1,8 +1,13 @@
-"""Recycling evicted entry files: overwriting allocated tmpfs pages is ~2x faster than new ones.
+"""The pool of spare entry files (`free/`): evicted entries recycled, new files stocked ahead.
 
-A fresh tmpfs file costs a page allocation (and zeroing) per 4 KiB before the copy; an
-evicted entry's pages are already there, and so are the writer's and readers' kept
-mappings of it (`_maps`), which turn both copies into plain memcpys.
+A fresh tmpfs file costs a page allocation (and zeroing) per 4 KiB before the copy; a
+pooled file's pages are already there, and so are the writer's and readers' kept
+mappings of it (`_maps`), which turn both copies into plain memcpys. The pool is fed by
+the janitor (evicted entries, at capacity) and by the writer's stocker (`_prefault`, while
+the store fills up).
+
+The pool counts in the store's capacity: entries plus pool stay within it (pool_limit),
+and the pool is the first to give room back when entries need it.
 
 Safety rests on one invariant: a file in `free/` has no name under `entries/`, so no new
 pin (a hard link of an entries/ name) can reach it, and a writer claims it only after
@@ -19,12 +24,50 @@ from pathlib import Path
 
 FREE = "free"
 FREE_MAX_FILES = 8  # enough for a few steps' worth of saves; more is just held memory
-FREE_TTL_S = 60.0  # an unused free file goes back to the kernel after this long
+FREE_TTL_S = 60.0  # an unused free file goes back to the kernel after this long (at least)
+POOL_SHARE = 8  # the pool holds at most 1/POOL_SHARE of the capacity
 
 
-def _pool_name(free_dir: Path, size: int) -> str:
-    # The size leads the name: claim() picks a file without a stat per candidate.
-    return f"{free_dir}/{size}.{secrets.token_hex(6)}"
+def pool_name(free_dir: Path, size: int) -> str:
+    # The size leads the name: claim() picks a file without a stat per candidate. The time
+    # comes next, so of equal sizes the oldest goes first (readers have mapped it by then).
+    return f"{free_dir}/{size}.{time.time_ns():016x}{secrets.token_hex(4)}"
+
+
+def pool_files(free_dir: Path) -> list[tuple[str, int]]:
+    """The pool's files now, with their sizes."""
+    found = []
+    try:
+        with os.scandir(free_dir) as it:
+            for item in it:
+                try:
+                    found.append((item.path, item.stat(follow_symlinks=False).st_size))
+                except FileNotFoundError:
+                    continue  # claimed or expired while listed
+    except OSError:
+        pass
+    return found
+
+
+def pool_usage(free_dir: Path) -> tuple[int, int]:
+    """The pool's files and bytes now."""
+    files = pool_files(free_dir)
+    return len(files), sum(n for _, n in files)
+
+
+def pool_limit(capacity_bytes: int, entries_bytes: int) -> int:
+    """The most the pool may hold: what the entries leave of the capacity, and at most
+    1/POOL_SHARE of it."""
+    return max(0, min(capacity_bytes // POOL_SHARE, capacity_bytes - entries_bytes))
+
+
+def pool_reserve(capacity_bytes: int, file_bytes: int) -> int:
+    """What the janitor keeps free of entries at capacity, so that evicted files can wait in
+    the pool for the next saves: whole files of `file_bytes` (what E writes), at most
+    FREE_MAX_FILES and 1/POOL_SHARE of the capacity (none when not one file fits there)."""
+    if file_bytes <= 0:
+        return 0
+    return min(FREE_MAX_FILES, capacity_bytes // POOL_SHARE // file_bytes) * file_bytes
 
 
 def _pool_size(free_dir: Path) -> int:
@@ -37,7 +80,7 @@ def _pool_size(free_dir: Path) -> int:
 
 def _slot(free_dir: Path, size: int) -> str | None:
     """A fresh pool name for a file of `size` bytes, or None when the pool is full."""
-    return None if _pool_size(free_dir) >= FREE_MAX_FILES else _pool_name(free_dir, size)
+    return None if _pool_size(free_dir) >= FREE_MAX_FILES else pool_name(free_dir, size)
 
 
 def _named_size(name: str) -> int:
@@ -72,7 +115,7 @@ def keep_aside(entry: str, free_dir: Path, size: int, *, check_room: bool = True
     pinned entry may slip in here) before it reuses one. `check_room=False` skips
     counting the pool when the caller has just taken a file out of it.
     """
-    dst = _pool_name(free_dir, size)
+    dst = pool_name(free_dir, size)
     try:
         os.link(entry, dst)
     except OSError:
@@ -108,7 +151,7 @@ def claim(
 def _take(path: str, tmp: str, size: int) -> tuple[int, os.stat_result] | None:
     try:
         os.rename(path, tmp)  # atomic: of two writers, one gets it
-    except FileNotFoundError:
+    except OSError:  # another took it first, or the pool is broken: a fresh file then
         return None
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW)  # read too: the writer maps it
@@ -128,8 +171,9 @@ def _take(path: str, tmp: str, size: int) -> tuple[int, os.stat_result] | None:
     return None
 
 
-def expire(free_dir: Path, now: float | None = None, *, max_bytes: int | None = None) -> int:
-    """Unlink pooled files unused for FREE_TTL_S, then the oldest past `max_bytes`."""
+def expire(free_dir: Path, now: float | None = None, *, max_bytes: int | None = None,
+           ttl_s: float = FREE_TTL_S) -> int:
+    """Unlink pooled files unused for `ttl_s`, then the oldest past `max_bytes`."""
     now = time.time() if now is None else now
     try:
         items = [(item.stat(), item.path) for item in os.scandir(free_dir)]
@@ -140,7 +184,7 @@ def expire(free_dir: Path, now: float | None = None, *, max_bytes: int | None = 
     kept = freed = 0
     for st, path in items:
         kept += st.st_size
-        if now - st.st_ctime > FREE_TTL_S or (max_bytes is not None and kept > max_bytes):
+        if now - st.st_ctime > ttl_s or (max_bytes is not None and kept > max_bytes):
             try:
                 os.unlink(path)
             except FileNotFoundError:

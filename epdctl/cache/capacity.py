@@ -11,6 +11,7 @@ from typing import Protocol
 
 from epdctl.cache import make_store_dir
 from epdctl.cache._format import ENTRY_SUFFIX
+from epdctl.cache._recycle import FREE
 from epdctl.cache.store import ENTRIES
 from epdctl.errors import CacheError
 from epdctl.units import format_bytes
@@ -52,7 +53,8 @@ def capacity_problem(
     store_dir: str | os.PathLike[str], capacity_bytes: int,
     disk_usage: DiskUsage = shutil.disk_usage,
 ) -> str | None:
-    """Why the store's filesystem cannot hold the budget (entries it holds count as room).
+    """Why the store's filesystem cannot hold the budget (entries and pooled files it holds
+    count as room).
 
     Reads the nearest existing directory, so a store that does not exist yet is judged by
     the filesystem it will be created on. None when the budget fits.
@@ -74,8 +76,9 @@ def capacity_problem(
 
 
 def _store_bytes(root: Path) -> int:
+    """The bytes the store holds now: its entries and its pooled spare files."""
     total = 0
-    for entry in root.glob(f"*/{ENTRIES}/*{ENTRY_SUFFIX}"):
+    for entry in (*root.glob(f"*/{ENTRIES}/*{ENTRY_SUFFIX}"), *root.glob(f"*/{FREE}/*")):
         try:
             total += entry.stat().st_size
         except FileNotFoundError:

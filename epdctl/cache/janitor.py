@@ -90,6 +90,8 @@ def enforce(
         drop_empty=is_foreign,
         dry_run=False,
         recycle=True,
+        # A stocked pool is kept while entries would be (within the budget, as they are).
+        pool_ttl_s=ttl_s,
     )
 
 
@@ -173,6 +175,7 @@ def _sweep(
     drop_empty: Callable[[str], bool],
     dry_run: bool,
     recycle: bool,
+    pool_ttl_s: float = 0.0,
 ) -> EvictionReport:
     report = EvictionReport(dry_run=dry_run)
     ns_dirs = [d for d in namespace_dirs(root) if namespaces is None or d.name in namespaces]
@@ -190,8 +193,11 @@ def _sweep(
     doomed = {e.path: reason for e in evictable if (reason := expired(e))}
     if budget_bytes is not None:
         total = report.bytes_before - sum(e.size for e in evictable if e.path in doomed)
+        # The pool counts in the budget: at capacity, entries leave it room for a few files,
+        # so that evicted ones wait there for the next saves (recycled, not made anew).
+        reserve = _recycle.pool_reserve(budget_bytes, max((e.size for e in entries), default=0))
         for e in sorted(evictable, key=lambda e: e.mtime):
-            if total <= budget_bytes:
+            if total <= budget_bytes - (reserve if recycle else 0):
                 break
             if e.path not in doomed:
                 doomed[e.path] = "budget"
@@ -200,13 +206,20 @@ def _sweep(
         if e.path in doomed and _remove_entry(e, dry_run, recycle):
             report.removed.append(Removed(e.namespace, e.path, e.size, doomed[e.path]))
     report.bytes_after = report.bytes_before - report.freed_bytes
+    # Pooled files are memory too: dropped by `clean`, when unused for long, and past what
+    # the entries leave of the budget (entries + pool within it). Without a budget, a
+    # namespace on its way out keeps no pool and the others' are left to their own pass.
+    pool_room = 0 if budget_bytes is None else _recycle.pool_limit(budget_bytes,
+                                                                   report.bytes_after)
     for d in ns_dirs:
-        # Pooled files are memory too: dropped by `clean`, when stale, and past an eighth
-        # of the budget (so the store holds at most 1.125 x capacity).
         if not recycle:
             report.removed.extend(_pooled(d, dry_run))
+        elif budget_bytes is None and not drop_empty(d.name):
+            _recycle.expire(d / _recycle.FREE, now, ttl_s=max(_recycle.FREE_TTL_S, pool_ttl_s))
         else:
-            _recycle.expire(d / _recycle.FREE, now, max_bytes=(budget_bytes or 0) // 8)
+            _recycle.expire(d / _recycle.FREE, now, max_bytes=pool_room,
+                            ttl_s=max(_recycle.FREE_TTL_S, pool_ttl_s))
+            pool_room = max(0, pool_room - _recycle.pool_usage(d / _recycle.FREE)[1])
         report.removed.extend(_stale_pins(d, now, pin_ttl_s, dry_run))
         report.removed.extend(_orphan_tmp(d, now, dry_run))
         report.removed.extend(_orphan_meta(d, now, grace_s, dry_run))

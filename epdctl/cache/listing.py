@@ -1,4 +1,4 @@
-"""Read-only views of the store for `epdctl cache inspect`: namespaces and entries."""
+"""Read-only views of the store for `epdctl cache inspect`: namespaces, entries, the pool."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epdctl.cache._format import ENTRY_SUFFIX, PAGE_BYTES, FormatError, decode_header
+from epdctl.cache._recycle import FREE, pool_usage
 from epdctl.cache._scan import listdir, namespace_dirs, scan_entries
 from epdctl.cache.sidecar import read_modality, sidecar_of
 from epdctl.cache.stats import COUNTERS, read_stats
@@ -37,6 +38,9 @@ class NamespaceStats:
     lookups: int = 0
     skipped: int = 0
     sent: int = 0
+    pool_files: int = 0
+    """Spare files kept for the next saves (evicted entries, or pre-faulted ahead by E)."""
+    pool_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ def inspect(store_root: Path) -> list[NamespaceStats]:
         entries = list(scan_entries(ns_dir))
         counts, _ = read_stats(ns_dir)
         times = [e.mtime for e in entries]
+        pool_files, pool_bytes = pool_usage(ns_dir / FREE)
         result.append(
             NamespaceStats(
                 namespace=ns_dir.name,
@@ -75,6 +80,8 @@ def inspect(store_root: Path) -> list[NamespaceStats]:
                 newest=max(times, default=None),
                 **{k: int(counts.get(k, 0)) for k in COUNTERS if k != "wait_s"},
                 wait_s=float(counts.get("wait_s", 0.0)),
+                pool_files=pool_files,
+                pool_bytes=pool_bytes,
             )
         )
     return result

@@ -26,6 +26,7 @@ from epdctl.cache._format import (
     payload_nbytes,
 )
 from epdctl.cache._maps import MAPPINGS
+from epdctl.cache._prefault import Premapper, Stocker
 from epdctl.errors import CacheError
 
 if TYPE_CHECKING:
@@ -66,9 +67,14 @@ class Miss:
 
 
 class Store:
-    """Entries, pins and tmp files of one namespace under `store_dir/namespace`."""
+    """Entries, pins and tmp files of one namespace under `store_dir/namespace`.
 
-    def __init__(self, store_dir: str | os.PathLike[str], namespace: str) -> None:
+    `capacity_bytes`: the namespace's budget (cache.capacity). Given it, a process that
+    publishes keeps the pool stocked with pre-faulted files within it (`stocker`).
+    """
+
+    def __init__(self, store_dir: str | os.PathLike[str], namespace: str,
+                 capacity_bytes: int | None = None) -> None:
         self.namespace = namespace
         self.root = Path(store_dir) / namespace_dirname(namespace)
         self.entries = self.root / ENTRIES
@@ -77,6 +83,10 @@ class Store:
         self.pending = self.root / PENDING
         self.free = self.root / _recycle.FREE
         self._spare: str | None = None  # the file this writer last put in the pool
+        self.capacity_bytes = capacity_bytes
+        self.stocker: Stocker | None = None
+        """Started by the first publish when there is a capacity to stock within."""
+        self._premapper: Premapper | None = None
         self.refused: str | None = None
         """Why open() refused the store's directories; then nothing is read or written."""
 
@@ -223,7 +233,24 @@ class Store:
             _unlink(tmp)
             raise
         self._spare = aside
+        if self.capacity_bytes is not None:
+            if self.stocker is None:
+                self.stocker = Stocker(self.entries, self.tmp, self.free, self.capacity_bytes)
+            self.stocker.wrote(total)
         return nbytes
+
+    def watch_pool(self) -> None:
+        """Map the pool's files ahead in this (reader) process as they appear, read-only as
+        read_into maps an entry (a first load goes that way on CUDA too, through staging)."""
+        if self.refused is None and self._premapper is None:
+            self._premapper = Premapper(self.free)
+            self._premapper.start()
+
+    def close(self) -> None:
+        """Stop this store's background threads (stocking, pre-mapping)."""
+        for worker in (self.stocker, self._premapper):
+            if worker is not None:
+                worker.close()
 
     def pin(
         self,

@@ -39,8 +39,11 @@ class EpdctlShmECConnector(ECConnectorBase):
         cfg = vllm_config.ec_transfer_config
         assert cfg is not None  # the base class raised otherwise
         extra = cfg.ec_connector_extra_config
+        capacity = extra.get("capacity_bytes")
         self._store = Store(
-            extra.get("store_dir", cache.default_store_root()), extra.get("namespace", "default")
+            extra.get("store_dir", cache.default_store_root()), extra.get("namespace", "default"),
+            # Within it E keeps spare pre-faulted files; none without a (sane) capacity.
+            capacity if type(capacity) is int and capacity > 0 else None,
         ).open()
         if self._store.refused is not None:
             # Another user's (or a world-writable) directory: never read what may be planted
@@ -66,6 +69,7 @@ class EpdctlShmECConnector(ECConnectorBase):
         # Worker side (lazy: the distributed groups exist only later).
         self._rank: int | None = None
         self._staging: _io.HostStaging | None = None
+        self._is_watching = False
 
     def _stat(self, key: str | None = None, **counts: float) -> None:
         if self._store.refused is not None:
@@ -148,11 +152,17 @@ class EpdctlShmECConnector(ECConnectorBase):
         logger.debug("EC store: saved %s (%d bytes)", mm_hash, nbytes)
 
     @override
+    def start_worker_services(self) -> None:
+        """Worker side: a consumer maps the pool's files ahead, as E stocks them."""
+        self._watch_pool()
+
+    @override
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         """Worker side: read this step's entries through this rank's pins, then unpin."""
         meta = self._connector_metadata
         if not isinstance(meta, EpdctlECMetadata) or not meta.loads:
             return
+        self._watch_pool()  # a vLLM that never calls start_worker_services
         rank = self._worker_rank()
         todo = [load for load in meta.loads if load.mm_hash not in encoder_cache]
         start = time.perf_counter()
@@ -175,6 +185,15 @@ class EpdctlShmECConnector(ECConnectorBase):
                 logger.error("EC store: could not load %s: %s", load.mm_hash, tensor)
                 self._stat(load_failures=1)
         unpin([load.paths[rank] for load in meta.loads if rank < len(load.paths)])
+
+    def _watch_pool(self) -> None:
+        if self._is_watching or not self.is_consumer or self._store.refused is not None:
+            return
+        self._is_watching = True
+        try:
+            self._store.watch_pool()
+        except Exception as exc:  # reads still work, through mappings made on first use
+            logger.warning("EC store: not mapping the pool ahead: %s", exc)
 
     def _worker_rank(self) -> int:
         if self._rank is None:
@@ -204,6 +223,7 @@ class EpdctlShmECConnector(ECConnectorBase):
     def shutdown(self) -> None:
         """Both sides: release pins no worker will read, write the last stats."""
         self._sched.release_all()
+        self._store.close()
         if self._stats is not None:
             self._stats.close()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from epdctl.cache._recycle import pool_name
 from epdctl.cache.sidecar import write_meta
 from epdctl.cache.stats import StatsWriter
 from epdctl.cache.store import Pin, Store
@@ -104,6 +105,24 @@ def test_inspect_json(epdctl, shm: Path) -> None:
         ("lora:img-b", [2, 16], False, "video"),
         ("img-a", [4, 16], True, None),
     ]
+
+
+def test_inspect_shows_the_pool(epdctl, shm: Path) -> None:
+    store = populate(shm)
+    for _ in range(2):  # two spare files of 4 MiB, as E's stocker keeps them
+        fd = os.open(pool_name(store.free, 4 << 20), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 4 << 20)
+        os.close(fd)
+    result = epdctl("cache", "inspect", "--store-dir", str(shm))
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines()[2] == (
+        f"store {shm}: 8.0 MiB used (8.0 MiB of it in the pool: 2 spare files for the next "
+        "saves); filesystem 48.0 MiB free of 64.0 MiB")
+    doc = json.loads(epdctl("cache", "inspect", "--store-dir", str(shm), "--json").stdout)
+    (ns,) = doc["namespaces"]
+    assert (doc["pool_files"], doc["pool_bytes"]) == (ns["pool_files"], ns["pool_bytes"]) == (
+        2, 8 << 20)
+    assert doc["size_bytes"] == ns["size_bytes"] < 1 << 20  # the entries alone
 
 
 def test_clean_dry_run_then_all_keeps_the_pinned_entry(epdctl, shm: Path) -> None:

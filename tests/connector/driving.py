@@ -34,14 +34,18 @@ class Resolver:
 
 
 def make(
-    root: Path, role: ECConnectorRole, ec_role: str, *, dtype=None, tp: int = 1, rank: int = 0
+    root: Path, role: ECConnectorRole, ec_role: str, *, dtype=None, tp: int = 1, rank: int = 0,
+    capacity_bytes: int | None = None,
 ) -> EpdctlShmECConnector:
+    extra: dict = {"store_dir": str(root), "namespace": NS}
+    if capacity_bytes is not None:
+        extra["capacity_bytes"] = capacity_bytes
     cfg = SimpleNamespace(
         ec_transfer_config=ECTransferConfig(
             ec_connector=CONNECTOR_NAME,
             ec_role=ec_role,
             engine_id=f"t-{ec_role}",
-            ec_connector_extra_config={"store_dir": str(root), "namespace": NS},
+            ec_connector_extra_config=extra,
         ),
         model_config=SimpleNamespace(dtype=dtype or torch.float32),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, prefill_context_parallel_size=1),

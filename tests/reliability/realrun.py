@@ -72,32 +72,43 @@ def topology(src: str, tmp: Path, model: Path, cache_dir: Path,
 @contextmanager
 def broken_store(run: TopologyRun) -> Iterator[None]:
     """E cannot save while inside: its tmpfs is full (a real ENOSPC) when store_root() could
-    mount one, else the namespace's tmp/ is a file (ENOTDIR). Healed on the way out."""
+    mount one, else the namespace's tmp/ is a file (ENOTDIR); and its pool of spare files
+    (pre-allocated: a save into one needs no room) is a file too. Healed on the way out."""
     from epdctl.cache.store import Store
 
     store = Store(run.cache_dir, run.state().namespace)
     is_small = run.cache_dir.name == "small-shm"
-    if is_small:
-        broken = run.cache_dir / "filler"
-        block = b"\0" * (256 << 10)
-        fd = os.open(broken, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            while True:  # unbuffered: a short write, then ENOSPC, and nothing left to flush
-                os.write(fd, block)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
-        finally:
-            os.close(fd)
-    else:
-        os.rename(store.tmp, store.root / "tmp.aside")
-        broken = store.tmp
-        broken.write_bytes(b"a file where the store wants a directory")
+    undo: list[Callable[[], None]] = []
+
+    def aside(path: Path) -> None:
+        """`path` renamed aside (its files keep their pages) and an empty file in its place
+        (an inode, no page: it fits a full tmpfs)."""
+        os.rename(path, path.with_name(f"{path.name}.aside"))
+        undo.append(lambda: os.rename(path.with_name(f"{path.name}.aside"), path))
+        path.touch()
+        undo.append(path.unlink)
+
     try:
+        # The pool first: a spare the writer is still making cannot land there after.
+        aside(store.free)
+        if is_small:
+            filler = run.cache_dir / "filler"
+            block = b"\0" * (256 << 10)
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            undo.append(filler.unlink)
+            try:
+                while True:  # unbuffered: a short write, then ENOSPC, and nothing to flush
+                    os.write(fd, block)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+            finally:
+                os.close(fd)
+        else:
+            aside(store.tmp)
         yield
     finally:
-        broken.unlink()
-        if not is_small:
-            os.rename(store.root / "tmp.aside", store.tmp)
+        for step in reversed(undo):
+            step()
 
 
 def debug_logs(data: dict[str, Any]) -> None:

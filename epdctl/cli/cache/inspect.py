@@ -75,6 +75,8 @@ def collect(view: StoreView, show_entries: bool) -> dict[str, Any]:
         "capacity_bytes": view.capacity_bytes,
         "active_namespace": view.active_namespace,
         "size_bytes": sum(ns["size_bytes"] for ns in namespaces),
+        "pool_files": sum(ns["pool_files"] for ns in namespaces),
+        "pool_bytes": sum(ns["pool_bytes"] for ns in namespaces),
         "filesystem": fs,
         "namespaces": namespaces,
     }
@@ -109,10 +111,15 @@ def _namespace_table(namespaces: list[dict[str, Any]], now: float) -> Table:
 
 
 def _footer(doc: dict[str, Any]) -> str:
-    used = size(doc["size_bytes"])
+    # The pool's spare files count in the capacity as entries do.
+    used = size(doc["size_bytes"] + doc["pool_bytes"])
     capacity = doc["capacity_bytes"]
     line = f"store {doc['store_dir']}: {used}"
     line += f" of {size(capacity)} capacity" if capacity else " used"
+    if doc["pool_files"]:
+        files = "file" if doc["pool_files"] == 1 else "files"
+        line += (f" ({size(doc['pool_bytes'])} of it in the pool: {doc['pool_files']} spare "
+                 f"{files} for the next saves)")
     if doc["filesystem"]:
         fs = doc["filesystem"]
         line += f"; filesystem {size(fs['free_bytes'])} free of {size(fs['total_bytes'])}"
