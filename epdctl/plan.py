@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from epdctl import cache, ipc
+from epdctl import cache, ipc, plan_ec
 from epdctl import ec_connectors as ec_conn
 from epdctl.engines.guard import KEY_ENV
 from epdctl.errors import PlanError
@@ -143,7 +143,7 @@ def _check_sharing(owners: dict[str, list[tuple[str, str, Role]]]) -> None:
 def ec_transfer_config(topology: Topology, role: str, namespace: str, engine_id: str,
                        ec_ports: Sequence[int] = ()) -> dict:
     """The --ec-transfer-config for one instance, for the topology's cache.connector."""
-    return ec_conn.transfer_config(topology, role, engine_id, namespace, ec_ports)
+    return plan_ec.transfer_config(topology, role, engine_id, namespace, ec_ports)
 
 
 def kv_transfer_config(topology: Topology, role: str, state_dir: Path) -> dict:
@@ -303,7 +303,7 @@ def plan(
         name=topology.name, mode=topology.mode, state_dir=state_dir, namespace=namespace,
         store_dir=store_dir, model_name=topology.model_name,
         instances=tuple(specs), proxy=proxy, ec_connector=topology.cache.connector,
-        notes=tuple(ec_conn.notes(topology, store_dir, specs)),
+        notes=tuple(plan_ec.notes(topology, store_dir, specs)),
     )
 
 
@@ -318,7 +318,7 @@ def proxy_config(topology: Topology, instances: Sequence[LaunchSpec],
         knobs[key if key in names else f"{key}_s"] = value
     for spec in instances:  # each role's instances go to the ProxyConfig field of its name
         knobs[spec.role] = (*knobs.get(spec.role, ()), spec.url)
-    knobs.update(ec_conn.proxy_knobs(topology, instances, namespace))
+    knobs.update(plan_ec.proxy_knobs(topology, instances, namespace))
     return ProxyConfig(models=(topology.model_name,), upstream_api_key=upstream_api_key, **knobs)
 
 

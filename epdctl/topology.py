@@ -186,7 +186,10 @@ class Topology(BaseModel):
     def _check(self) -> Topology:
         lines = self._role_mix()
         lines += _args_problems("engine", self.engine.args)
-        lines += connector_problems(self)
+        encoder = self.roles.get("encode")
+        lines += connector_problems(self.cache.connector, self.cache.extra_config, self.device,
+                                    list(self.roles),
+                                    None if encoder is None else encoder.tensor_parallel)
         lines += self._overlap_problems()
         for name, role in self.roles.items():
             where = f"roles -> {name}"
