@@ -192,7 +192,10 @@ def test_store_full_and_foreign_entry(run: TopologyRun, probe: Probe) -> None:
     store = Store(run.cache_dir, run.state().namespace)
     full_key, _ = image(12)
     foreign_key, _ = image(13)
-    _foreign_entry(run, foreign_key, image(11)[0])
+    model_key, _ = image(18)  # an entry of ours to copy, whatever ran before
+    assert ask(probe, 18) == reference(probe, 18)
+    assert store.has_entry(model_key)
+    _foreign_entry(run, foreign_key, model_key)
     before = read_stats(store.root)[0]
     e_at, pd_at = probe.mark("encode-0"), probe.mark("pd-0")
     with broken_store(run):
