@@ -259,6 +259,32 @@ async def test_an_instance_silent_past_the_read_timeout_is_a_timeout(rig, when):
     assert server.connections == 2
 
 
+async def test_a_stream_longer_than_the_read_timeout_is_read_whole(rig):
+    """The deadline is each wait's, not the answer's: bytes that keep coming, each well
+    within `read_timeout_s` of the last, are read to the end however long that takes."""
+    server, upstream, base = rig
+    gap_s, pieces, read_s = 0.1, 30, 2.0  # 3 s in all: longer than read_s
+
+    async def trickle(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for i in range(pieces):
+            writer.write(b"%x\r\n%s\r\n" % (len(b"%d," % i), b"%d," % i))
+            await writer.drain()
+            await asyncio.sleep(gap_s)
+        writer.write(b"0\r\n\r\n")
+
+    server.script.append(trickle)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    reply = await upstream.post(base, "/v1/chat/completions", b"{}", HEADERS, read_s,
+                                "prefill_decode")
+    body = b"".join([chunk async for chunk in reply.chunks()])
+    await reply.close()
+    assert body == b"".join(b"%d," % i for i in range(pieces))
+    assert loop.time() - began > read_s  # it did outlast one read timeout
+
+
 async def test_an_idle_connection_past_keepalive_is_not_reused(rig):
     server, _, base = rig
     upstream = RawUpstream(5.0, keepalive_s=0.0)

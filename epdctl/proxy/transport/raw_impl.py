@@ -136,6 +136,10 @@ class RawReply:
         self._is_until_close = True  # no length, not chunked: the body ends with the connection
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        # One timer per reply, re-armed lazily: a wait moves the deadline, the timer looks
+        # when it fires (a stream's every chunk would otherwise make and cancel one).
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._held = 0  # bytes in _chunks
         self._is_streamed = self._is_paused = False
 
@@ -190,14 +194,21 @@ class RawReply:
         without any (the connection is then closed: its answer can no longer be read)."""
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(self._read_s, self._timed_out, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
+        self._deadline = loop.time() + self._read_s
+        if self._timer is None:
+            self._timer = loop.call_at(self._deadline, self._look)
+        await waiter
 
-    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
-        if waiter.done():
+    def _look(self) -> None:
+        """The timer fired: a timeout if the wait under way began `read_timeout_s` ago; else
+        armed again for that wait's deadline (none under way: armed by the next)."""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:
+            self._timer = loop.call_at(self._deadline, self._look)
             return
         detail = f"no byte from the instance in {self._read_s:g}s"
         waiter.set_exception(UpstreamError(self._stage, self._pool.base, "timeout", detail))
@@ -242,6 +253,9 @@ class RawReply:
                 await self._wait()
 
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         conn = self._conn
         conn.reply = None
         if self._is_complete and self._keep_alive and self.status < 500 and not conn.is_closed:
