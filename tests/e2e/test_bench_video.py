@@ -1,7 +1,7 @@
 """`epdctl bench topologies/cpu-qwen2vl.yaml --videos 1` for real: a video workload (vLLM's
 random-mm with a video bucket) completes every request in both arms, and E encoded each
 video once while PD loaded it from the store. No warm-up: test_bench_cpu_demo has one, and
-here it would be a `vllm bench serve` a start.""
+here it would be a `vllm bench serve` a start."""
 
 from __future__ import annotations
 
