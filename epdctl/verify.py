@@ -264,7 +264,7 @@ def wav_bytes(samples: bytes, rate: int) -> bytes:
 
 def media_keys(prompt: Prompt) -> set[str]:
     """The EC store keys the proxy gives this prompt's media (content hashes)."""
-    from epdctl.proxy.media import content_key, data_url_bytes
+    from epdctl.proxy.request.media import content_key, data_url_bytes
 
     return ({content_key("image", png(seed)) for seed in prompt.images}
             | {content_key("video", data_url_bytes(video_url(seed), "video"))

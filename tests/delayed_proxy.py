@@ -10,8 +10,8 @@ import asyncio
 import sys
 from typing import Any
 
-from epdctl.proxy import app as proxy_app
 from epdctl.proxy.__main__ import main
+from epdctl.proxy.server import app as proxy_app
 
 CHAT = "/v1/chat/completions"
 

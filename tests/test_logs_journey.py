@@ -105,7 +105,7 @@ def test_an_id_the_proxy_knows_with_a_prefix_is_taken_as_given(tmp_path: Path) -
 
 # Since the proxy is a drop-in for `vllm serve`, the final stage gets the client's rid as is:
 # vLLM logs `chatcmpl-<rid>` (the response id a client sees) and, inside the engine,
-# `chatcmpl-<rid>-<8 hex>`; E still gets `<rid>:enc<i>` (proxy/encode.py).
+# `chatcmpl-<rid>-<8 hex>`; E still gets `<rid>:enc<i>` (proxy/stages/encode.py).
 CURRENT = {
     "encode-0": [
         HEADER,

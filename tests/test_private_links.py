@@ -19,7 +19,7 @@ from epdctl.cache.store import STATS, Store
 from epdctl.errors import StateError
 from epdctl.launcher import spawn
 from epdctl.logs.stamps import stamps_path
-from epdctl.proxy.lookup import STATS_WRITER, StoreLookup
+from epdctl.proxy.stages.lookup import STATS_WRITER, StoreLookup
 from epdctl.spec import LaunchSpec
 from epdctl.state import LAST_RUN, StateDir
 from epdctl.store_root import RECORD, record_namespace

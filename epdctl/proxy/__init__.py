@@ -13,7 +13,7 @@ __all__ = ["ProxyConfig", "create_app"]
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":
-        from epdctl.proxy.app import create_app
+        from epdctl.proxy.server.app import create_app
 
         return create_app
     if name == "ProxyConfig":

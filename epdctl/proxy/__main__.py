@@ -28,8 +28,8 @@ async def serve(config: ProxyConfig) -> list[int]:
     the signals that stopped it (main raises them again once all is written)."""
     import uvicorn
 
-    from epdctl.proxy.app import create_app
-    from epdctl.proxy.logline import LineWriter
+    from epdctl.proxy.server.app import create_app
+    from epdctl.proxy.server.logline import LineWriter
 
     class Server(uvicorn.Server):
         """uvicorn's, except that the signal it stopped on is not raised again as serve()

@@ -17,7 +17,7 @@ from epdctl.cache._recycle import pool_name
 from epdctl.cache.sidecar import write_meta
 from epdctl.cache.stats import StatsWriter
 from epdctl.cache.store import Pin, Store
-from epdctl.proxy.lookup import STATS_WRITER
+from epdctl.proxy.stages.lookup import STATS_WRITER
 
 Usage = namedtuple("Usage", "total used free")
 

@@ -69,7 +69,7 @@ def test_status_shows_the_proxys_store_hit_ratio(epdctl, fake_topology, state_ro
     """The proxy's counters in the running topology's namespace, as `cache inspect` reads
     them (the fake topology's proxy is a fake: the counters are written here)."""
     from epdctl.cache.stats import StatsWriter
-    from epdctl.proxy.lookup import STATS_WRITER
+    from epdctl.proxy.stages.lookup import STATS_WRITER
 
     assert epdctl("up", str(fake_topology()), "-d", "--timeout", "20").exit_code == 0
     doc = json.loads(epdctl("status", "--json").stdout)

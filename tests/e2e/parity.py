@@ -211,7 +211,7 @@ def responses_image_entry(run: TopologyRun, seed: int,
                           api_key: str | None = None) -> dict[str, Any] | None:
     """Send a new image through /v1/responses; its store entry once it has a hit (E saved it
     under the proxy's key, the next stage loaded it), or None."""
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     png = make_image(seed)
     key = content_key("image", png)

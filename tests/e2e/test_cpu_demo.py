@@ -123,7 +123,7 @@ def test_different_images_answer_differently(demo: tuple[TopologyRun, Server]) -
 def test_repeated_image_is_loaded_from_the_store(demo: tuple[TopologyRun, Server]) -> None:
     """E encodes the image once; the repeat makes no E request at all (the proxy finds the
     entry in the store); PD loads it from the store both times and never runs the encoder."""
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     run, baseline = demo
     png = make_image(41)
@@ -170,7 +170,7 @@ def test_a_uuid_naming_another_images_content_key_poisons_nothing(
     the client's key, not the blue image's."""
     import httpx
 
-    from epdctl.proxy.media import client_key, content_key
+    from epdctl.proxy.request.media import client_key, content_key
 
     run, baseline = demo
     red, blue = make_image(71), make_image(72)
@@ -200,7 +200,7 @@ def test_a_responses_uuid_naming_another_images_content_key_poisons_nothing(
     """Issue 17 on /v1/responses: an input_image's uuid is scoped as a chat part's is."""
     import httpx
 
-    from epdctl.proxy.media import client_key, content_key
+    from epdctl.proxy.request.media import client_key, content_key
 
     run, baseline = demo
     red, blue = make_image(73), make_image(74)
@@ -389,7 +389,7 @@ def test_variant_pd_gets_a_new_image_while_e_encodes_it(
 ) -> None:
     """Overlap (#20): the proxy sends PD the request beside E's; PD waits for E's entry,
     loads it (never running the vision tower) and answers as the aggregated baseline."""
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     run, baseline = variant
     # The first image the proxy sees tells it whether E reports metadata (LLaVA: none).

@@ -76,7 +76,7 @@ def test_kv_went_from_prefill_to_decode(epd: tuple[TopologyRun, Server]) -> None
 
 def test_repeated_image_is_loaded_from_the_store(epd: tuple[TopologyRun, Server]) -> None:
     """E encodes the image; P loads it from the store; neither P nor D runs the encoder."""
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     run, baseline = epd
     png = make_image(42)
@@ -107,7 +107,7 @@ def test_with_overlap_p_gets_a_new_image_while_e_encodes_it(
     """Overlap in E|P|D (on a second proxy with `--overlap`; the shipped one overlapped
     nothing): P has the request while E encodes, loads E's entry, and the answers, streamed
     or not, are the aggregated baseline's."""
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     run, baseline = epd
     assert proxy_counters(run)["overlapped"] == 0  # as shipped, after the images above

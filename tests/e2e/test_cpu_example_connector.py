@@ -65,7 +65,7 @@ def test_pd_loads_the_image_from_es_file(demo: tuple[TopologyRun, Server]) -> No
     """E saves the embeddings as a safetensors file under the namespace dir; PD loads it and
     never runs the vision tower for it."""
     from epdctl.cache.example_files import item_file
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     run, baseline = demo
     png = make_image(61)
@@ -107,7 +107,7 @@ def test_a_restarted_pd_loads_es_file_and_answers_as_before(
     """SIGKILL PD's process group: the supervisor starts it again (restart: on-failure), the
     proxy takes it back, and the same image request gets the same answer, PD loading the
     image from E's file."""
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     run, _ = demo
     png = make_image(71)

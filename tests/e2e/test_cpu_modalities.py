@@ -116,8 +116,8 @@ def key_of(part: Part) -> str:
     """The content key the proxy gives a part (modality + decoded bytes)."""
     import base64
 
-    from epdctl.proxy.media import content_key
-    from epdctl.proxy.routing import MEDIA_TYPES
+    from epdctl.proxy.request.media import content_key
+    from epdctl.proxy.request.routing import MEDIA_TYPES
 
     kind = part["type"]
     if kind == "input_audio":

@@ -65,7 +65,7 @@ def test_vllm_loads_the_module_in_every_instance(oot: TopologyRun) -> None:
 
 
 def test_e_saves_and_pd_loads_through_it(oot: TopologyRun) -> None:
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     png = make_image(71)
     key = content_key("image", png)

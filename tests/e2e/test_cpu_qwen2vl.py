@@ -134,7 +134,7 @@ def test_outputs_equal_the_baseline(
 def test_rewritten_request_never_touches_the_image_on_pd(
     qwen: tuple[TopologyRun, Server],
 ) -> None:
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     run, baseline = qwen
     png = make_image(43)
@@ -156,7 +156,7 @@ def test_a_repeated_image_is_rewritten_from_the_store_without_e(
     kept beside it, so PD still gets metadata only; answers equal the baseline."""
     from epdctl.cache.sidecar import read_meta
     from epdctl.cache.store import Store
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     run, baseline = qwen
     png = make_image(45)

@@ -86,7 +86,7 @@ def _janitor_pass(ours: TopologyRun) -> bool:
 def test_both_answer_and_keep_their_entries_through_janitor_passes(
     pair: tuple[TopologyRun, TopologyRun],
 ) -> None:
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     ours, example = pair
     assert Path(ours.state().store_dir).parent == Path(example.state().store_dir).parent
@@ -133,7 +133,7 @@ def test_another_user_gets_nothing_from_the_engines_of_the_demo_as_shipped(
     import json
     import urllib.parse
 
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
     from tests.attacker import as_nobody
 
     ours, example = pair
@@ -198,7 +198,7 @@ def test_another_user_gets_nothing_from_the_engines_of_the_demo_as_shipped(
 def test_down_of_one_leaves_the_others_store_intact(
     pair: tuple[TopologyRun, TopologyRun],
 ) -> None:
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     ours, example = pair
     png = make_image(72)

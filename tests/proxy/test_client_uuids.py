@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from epdctl.proxy.media import CLIENT_PREFIX, client_key, content_key, scope_client_uuids
+from epdctl.proxy.request.media import CLIENT_PREFIX, client_key, content_key, scope_client_uuids
 from tests.proxy.fakes import MODEL, Fakes, Seen, completion, image_part
 
 pytestmark = pytest.mark.anyio

@@ -25,8 +25,9 @@ from typing import Any
 import httpx
 import pytest
 
-from epdctl.proxy import ProxyConfig, create_app, media
-from epdctl.proxy.media import content_key
+from epdctl.proxy import ProxyConfig, create_app
+from epdctl.proxy.request import media
+from epdctl.proxy.request.media import content_key
 from tests.proxy.fakes import Fakes
 
 pytestmark = pytest.mark.anyio

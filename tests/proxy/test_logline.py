@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from epdctl.proxy.logline import FLUSH_S, LineWriter
+from epdctl.proxy.server.logline import FLUSH_S, LineWriter
 
 pytestmark = pytest.mark.anyio
 

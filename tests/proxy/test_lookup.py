@@ -1,4 +1,4 @@
-"""The store index and hit checks (epdctl.proxy.lookup) off the event loop: the scan and a
+"""The store index and hit checks (epdctl.proxy.stages.lookup) off the event loop: the scan and a
 hit's file-system calls run in a worker thread, a miss costs the loop a set lookup, and the
 answers stay right (a hit is found, a vanished entry is a miss, E's keys stay indexed)."""
 
@@ -16,9 +16,9 @@ import pytest
 
 from epdctl.cache.sidecar import read_meta
 from epdctl.cache.store import Store
-from epdctl.proxy import lookup as lookup_module
-from epdctl.proxy.lookup import StoreLookup
-from epdctl.proxy.routing import MediaItem
+from epdctl.proxy.request.routing import MediaItem
+from epdctl.proxy.stages import lookup as lookup_module
+from epdctl.proxy.stages.lookup import StoreLookup
 
 pytestmark = pytest.mark.anyio
 NAMESPACE = "demo-0123456789ab"

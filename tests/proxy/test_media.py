@@ -12,8 +12,8 @@ import pytest
 from epdctl.proxy import ProxyConfig
 from epdctl.proxy.__main__ import upstream_client
 from epdctl.proxy.errors import ProxyError
-from epdctl.proxy.media import assign_uuids, content_key
-from epdctl.proxy.routing import MediaItem
+from epdctl.proxy.request.media import assign_uuids, content_key
+from epdctl.proxy.request.routing import MediaItem
 from epdctl.proxy.transport import wrap
 from tests.proxy.sockets import Names
 
@@ -136,7 +136,7 @@ async def test_oversize_remote_media_is_a_400(remote):
 ])
 @pytest.mark.parametrize("piece", [4, 8, 1 << 20])
 def test_a_data_url_key_is_the_key_of_its_bytes_whatever_the_pieces(url, piece, monkeypatch):
-    from epdctl.proxy import media
+    from epdctl.proxy.request import media
 
     monkeypatch.setattr(media, "B64_PIECE_CHARS", piece)
     assert media.data_url_key("video", url, "x") == content_key(
@@ -148,7 +148,7 @@ def test_a_data_url_key_is_the_key_of_its_bytes_whatever_the_pieces(url, piece, 
 def test_base64_refused_whole_is_refused_in_pieces(text, piece, monkeypatch):
     """Padding before the end, a bad length, a stray character, nothing: each a 400, as the
     whole text decoded at once is."""
-    from epdctl.proxy import media
+    from epdctl.proxy.request import media
 
     monkeypatch.setattr(media, "B64_PIECE_CHARS", piece)
     with pytest.raises(ProxyError) as info:
@@ -157,7 +157,7 @@ def test_base64_refused_whole_is_refused_in_pieces(text, piece, monkeypatch):
 
 
 async def test_a_repeated_data_url_is_hashed_once(remote, monkeypatch):
-    from epdctl.proxy import media
+    from epdctl.proxy.request import media
 
     calls = []
     real = media.data_url_key

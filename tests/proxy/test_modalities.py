@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epdctl.cache.store import Store
-from epdctl.proxy.media import CLIENT_PREFIX, client_key, content_key
-from epdctl.proxy.routing import MEDIA_TYPES, MediaItem, rewrite_media
+from epdctl.proxy.request.media import CLIENT_PREFIX, client_key, content_key
+from epdctl.proxy.request.routing import MEDIA_TYPES, MediaItem, rewrite_media
 from tests.proxy.fakes import MODEL, PNG, TRANSPORTS, Fakes, rig_on_a_loop
 
 pytestmark = pytest.mark.anyio
@@ -341,7 +341,7 @@ async def test_each_entry_is_listed_with_its_modality(rig_factory, tmp_path: Pat
 def test_a_video_as_a_list_of_frames_is_keyed_by_its_frames():
     """vLLM's `video/jpeg` data URL (base64 frames joined by commas) is keyed, not passed
     through unkeyed: same frames, same key; other frames or another split, another key."""
-    from epdctl.proxy.media import data_url_bytes
+    from epdctl.proxy.request.media import data_url_bytes
 
     def frames(*parts: bytes) -> str:
         return "data:video/jpeg;base64," + ",".join(b64(p) for p in parts)

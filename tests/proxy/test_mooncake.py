@@ -7,7 +7,7 @@ import pytest
 
 from epdctl.proxy import ProxyConfig
 from epdctl.proxy.__main__ import parse_args
-from epdctl.proxy.media import content_key
+from epdctl.proxy.request.media import content_key
 from tests.proxy.fakes import (
     MODEL,
     PNG,

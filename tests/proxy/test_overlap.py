@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from epdctl.cache.store import Store
-from epdctl.proxy.media import content_key
+from epdctl.proxy.request.media import content_key
 from tests.proxy.fakes import PNG, Fakes, Seen, image_part
 from tests.proxy.test_skip import NAMESPACE
 from tests.proxy.test_skip import with_store as with_plain_store

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from epdctl.cache.store import Store
-from epdctl.proxy.pending import PendingMarks
+from epdctl.proxy.stages.pending import PendingMarks
 
 pytestmark = pytest.mark.anyio
 

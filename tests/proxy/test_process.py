@@ -260,7 +260,7 @@ def test_a_hung_tokenize_while_resuming_ends_the_stream_within_its_deadline(tmp_
     (the proxy asks it how the text sent so far tokenizes). With the client `up` runs, the
     client's stream ends with the error event once /tokenize's deadline has passed (and
     replay_wait found no other PD), not whenever the client gives up."""
-    from epdctl.proxy.replay import TOKENIZE_TIMEOUT_S
+    from epdctl.proxy.stages.replay import TOKENIZE_TIMEOUT_S
 
     pds = [_serve("pd-flaky"), _serve("pd-flaky")]
     port = _free_port()

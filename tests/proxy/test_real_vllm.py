@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from epdctl.proxy.media import content_key
+from epdctl.proxy.request.media import content_key
 from tests.vllm_harness import chat, free_port, image_data_url, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]

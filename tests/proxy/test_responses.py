@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 
-from epdctl.proxy.responses import encoder_view, find_media, needs_prefill, pd_body
-from epdctl.proxy.routing import encoder_body
+from epdctl.proxy.request.responses import encoder_view, find_media, needs_prefill, pd_body
+from epdctl.proxy.request.routing import encoder_body
 
 URL = "data:image/png;base64,AAAA"
 

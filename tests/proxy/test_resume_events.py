@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from epdctl.proxy.resume import split_events
+from epdctl.proxy.stages.resume import split_events
 
 ENDS = (b"\n\n", b"\r\n\r\n", b"\n\r\n")
 

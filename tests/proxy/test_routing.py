@@ -8,7 +8,7 @@ import json
 import pytest
 
 from epdctl.proxy.errors import ProxyError
-from epdctl.proxy.routing import (
+from epdctl.proxy.request.routing import (
     CHAT,
     COMPLETIONS,
     PREFILL_KV,

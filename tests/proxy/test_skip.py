@@ -13,7 +13,7 @@ import pytest
 from epdctl.cache.sidecar import meta_path
 from epdctl.cache.stats import read_stats
 from epdctl.cache.store import Store
-from epdctl.proxy.media import content_key
+from epdctl.proxy.request.media import content_key
 from tests.proxy.fakes import MODEL, PNG, Fakes, Seen, completion, image_part
 
 pytestmark = pytest.mark.anyio

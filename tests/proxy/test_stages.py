@@ -7,9 +7,9 @@ import json
 import httpx
 import pytest
 
-from epdctl.proxy import handler as handler_module
-from epdctl.proxy.media import content_key
-from epdctl.proxy.routing import PREFILL_KV
+from epdctl.proxy.request.media import content_key
+from epdctl.proxy.request.routing import PREFILL_KV
+from epdctl.proxy.server import handler as handler_module
 from tests.proxy.fakes import MODEL, PNG, STREAM, Fakes, chat_chunk, image_part, sse, sse_response
 
 pytestmark = pytest.mark.anyio

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from epdctl.proxy.routing import CHAT, COMPLETIONS
-from epdctl.proxy.token_ids import TokenIds, asked
+from epdctl.proxy.request.routing import CHAT, COMPLETIONS
+from epdctl.proxy.stages.token_ids import TokenIds, asked
 
 
 @pytest.mark.parametrize(("body", "ours"), [

@@ -119,7 +119,7 @@ def debug_logs(data: dict[str, Any]) -> None:
 
 def image(seed: int) -> tuple[str, str]:
     """The proxy's (and so E's and PD's) cache key for image `seed`, and its data URL."""
-    from epdctl.proxy.media import content_key
+    from epdctl.proxy.request.media import content_key
 
     png = make_image(seed)
     return content_key("image", png), image_data_url(png)

@@ -10,19 +10,13 @@ import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
-from epdctl.proxy import jsonio, responses
+from epdctl.proxy import jsonio
 from epdctl.proxy.config import ProxyConfig
-from epdctl.proxy.encode import Encoder, Looked
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError
-from epdctl.proxy.generate import Answer, Generator, StageFailed
-from epdctl.proxy.lookup import StoreLookup
-from epdctl.proxy.media import MediaTooLarge, assign_uuids, scope_client_uuids
 from epdctl.proxy.metrics import Metrics, outcome_of
-from epdctl.proxy.mooncake import MooncakeRoute
-from epdctl.proxy.passthrough import Passthrough
-from epdctl.proxy.pending import Overlap, PendingMarks
-from epdctl.proxy.replay import Replayer
-from epdctl.proxy.routing import (
+from epdctl.proxy.request import responses
+from epdctl.proxy.request.media import MediaTooLarge, assign_uuids, scope_client_uuids
+from epdctl.proxy.request.routing import (
     CHAT,
     CONTENT_FIELDS,
     ORCHESTRATED,
@@ -34,6 +28,13 @@ from epdctl.proxy.routing import (
     pd_body,
     request_id,
 )
+from epdctl.proxy.stages.encode import Encoder, Looked
+from epdctl.proxy.stages.generate import Answer, Generator, StageFailed
+from epdctl.proxy.stages.lookup import StoreLookup
+from epdctl.proxy.stages.mooncake import MooncakeRoute
+from epdctl.proxy.stages.passthrough import Passthrough
+from epdctl.proxy.stages.pending import Overlap, PendingMarks
+from epdctl.proxy.stages.replay import Replayer
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.transport import Upstream
 from epdctl.proxy.upstreams import Upstreams

@@ -13,9 +13,9 @@ import re
 from typing import Any
 
 from epdctl.proxy import jsonio
-from epdctl.proxy.resume import events
-from epdctl.proxy.routing import CHAT
+from epdctl.proxy.request.routing import CHAT
 from epdctl.proxy.sse import EVENT_END
+from epdctl.proxy.stages.resume import events
 
 KEY = "return_token_ids"
 _IDS = re.compile(rb'"(prompt_)?token_ids":\s*\[([0-9,\s]*)\]')

@@ -16,13 +16,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from epdctl.proxy import jsonio, resume, token_ids
+from epdctl.proxy import jsonio
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
-from epdctl.proxy.generate import Answer, Generator, StageFailed
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import CHAT, COMPLETIONS, dumps, upstream_headers
+from epdctl.proxy.request.routing import CHAT, COMPLETIONS, dumps, upstream_headers
 from epdctl.proxy.sse import error_event
+from epdctl.proxy.stages import resume, token_ids
+from epdctl.proxy.stages.generate import Answer, Generator, StageFailed
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.transport import Upstream
 from epdctl.proxy.upstreams import Instance, Upstreams

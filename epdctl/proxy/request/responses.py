@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from epdctl.proxy.routing import MM_KWARGS, RESPONSES_MEDIA_PART, MediaItem, with_ec_params
+from epdctl.proxy.request.routing import MM_KWARGS, RESPONSES_MEDIA_PART, MediaItem, with_ec_params
 
 
 def find_media(body: dict[str, Any]) -> list[MediaItem]:

@@ -12,9 +12,8 @@ from typing import Any
 from epdctl.proxy import jsonio
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
-from epdctl.proxy.lookup import StoreLookup
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import (
+from epdctl.proxy.request.routing import (
     CHAT,
     MM_KWARGS,
     MediaItem,
@@ -23,6 +22,7 @@ from epdctl.proxy.routing import (
     push_body,
     upstream_headers,
 )
+from epdctl.proxy.stages.lookup import StoreLookup
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.transport import Upstream
 from epdctl.proxy.upstreams import Pool

@@ -11,7 +11,7 @@ from starlette.responses import Response
 from epdctl.proxy import jsonio
 from epdctl.proxy.config import MODE_LABEL, ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY
-from epdctl.proxy.handler import ProxyHandler
+from epdctl.proxy.server.handler import ProxyHandler
 from epdctl.proxy.transport import wrap
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from epdctl.proxy import responses
 from epdctl.proxy.config import ProxyConfig
-from epdctl.proxy.encode import Encoded, Encoder
 from epdctl.proxy.errors import ProxyError, bad_request
-from epdctl.proxy.generate import ATTEMPTS, Answer, Generator, StageFailed, next_attempt
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.routing import CONTENT_FIELDS, RESPONSES, MediaItem, pd_body
+from epdctl.proxy.request import responses
+from epdctl.proxy.request.routing import CONTENT_FIELDS, RESPONSES, MediaItem, pd_body
+from epdctl.proxy.stages.encode import Encoded, Encoder
+from epdctl.proxy.stages.generate import ATTEMPTS, Answer, Generator, StageFailed, next_attempt
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.upstreams import Instance
 

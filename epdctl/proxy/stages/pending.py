@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epdctl.cache.store import Store
-from epdctl.proxy.encode import Encoder, Looked
+from epdctl.proxy.stages.encode import Encoder, Looked
 from epdctl.proxy.trace import Trace
 
 

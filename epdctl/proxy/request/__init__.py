@@ -1,0 +1,2 @@
+"""What a request is made of: its body shaped for each stage (routing), its media
+(fetched, keyed, rewritten) and the Responses API's input."""
