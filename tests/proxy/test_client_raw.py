@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from epdctl.proxy.errors import UpstreamError
-from epdctl.proxy.transport import raw_impl as client_raw
+from epdctl.proxy.transport import raw_conn
 from epdctl.proxy.transport.raw_impl import RawUpstream
 from tests.waits import until
 
@@ -301,7 +301,7 @@ async def test_a_stream_the_reader_lags_on_is_held_under_the_pause_size(rig):
     downstream): the connection stops reading at PAUSE_BYTES held, so the proxy holds no
     more than that (plus one socket read), and reads on once the reader takes it; the body
     comes through whole and in order."""
-    from epdctl.proxy.transport.raw_impl import PAUSE_BYTES
+    from epdctl.proxy.transport.raw_conn import PAUSE_BYTES
 
     server, upstream, base = rig
     piece = 1 << 16
@@ -339,19 +339,19 @@ async def test_a_large_body_is_written_as_the_instance_takes_it(rig, monkeypatch
     stays near its high-water mark (write flow control), not the whole body."""
     server, upstream, base = rig
     transports: list[asyncio.WriteTransport] = []
-    made = client_raw._Conn.connection_made
+    made = raw_conn.Conn.connection_made
 
-    def record(self: client_raw._Conn, transport: asyncio.BaseTransport) -> None:
+    def record(self: raw_conn.Conn, transport: asyncio.BaseTransport) -> None:
         transports.append(transport)  # type: ignore[arg-type]
         made(self, transport)
 
-    monkeypatch.setattr(client_raw._Conn, "connection_made", record)
+    monkeypatch.setattr(raw_conn.Conn, "connection_made", record)
     body = b"x" * (32 << 20)
     task = asyncio.ensure_future(post(upstream, base, body))
     await until(lambda: transports and transports[0].get_write_buffer_size() > 0,
                 "the instance's socket full")
     held = transports[0].get_write_buffer_size()
-    assert held <= (1 << 16) + client_raw.WRITE_SLICE, held
+    assert held <= (1 << 16) + raw_conn.WRITE_SLICE, held
     reply = await task  # the server reads it all, then answers
     assert (reply.status, await reply.read()) == (200, OK)
     await reply.close()
