@@ -4,33 +4,37 @@ completion routes) or the instance as it is (the rest); the proxy's own errors a
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 from epdctl.proxy import jsonio
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError
 from epdctl.proxy.metrics import Metrics, outcome_of
-from epdctl.proxy.request import responses
 from epdctl.proxy.request.media import MediaTooLarge, assign_uuids, scope_client_uuids
 from epdctl.proxy.request.routing import (
-    CHAT,
     CONTENT_FIELDS,
     ORCHESTRATED,
-    RESPONSES,
-    MediaItem,
-    find_media,
     is_stream,
     parse_body,
-    pd_body,
     request_id,
 )
-from epdctl.proxy.stages.encode import Encoder, Looked
+from epdctl.proxy.server.asgi import (
+    Disconnect,
+    Scope,
+    error_answer,
+    presents,
+    read_body,
+    send_answer,
+    send_stream,
+    too_large,
+)
+from epdctl.proxy.stages.encode import Encoder
 from epdctl.proxy.stages.generate import Answer, Generator, StageFailed
 from epdctl.proxy.stages.lookup import StoreLookup
+from epdctl.proxy.stages.media_stage import MediaStage
 from epdctl.proxy.stages.mooncake import MooncakeRoute
 from epdctl.proxy.stages.passthrough import Passthrough
 from epdctl.proxy.stages.pending import Overlap, PendingMarks
@@ -40,28 +44,6 @@ from epdctl.proxy.transport import Upstream
 from epdctl.proxy.upstreams import Upstreams
 
 log = logging.getLogger("epdctl.proxy")
-Scope = MutableMapping[str, Any]
-
-
-class _Disconnect:
-    """Cancels the request's task when the client goes away before the answer is done."""
-
-    def __init__(self, receive: Any) -> None:
-        self.is_gone = False
-        self._task = asyncio.current_task()
-        self._watch = asyncio.ensure_future(self._wait(receive))
-
-    async def _wait(self, receive: Any) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.is_gone = True
-        if self._task is not None:
-            self._task.cancel()
-
-    def stop(self) -> None:
-        self._watch.cancel()
-
-
 class ProxyHandler:
     """Shared state of one app: config, pools, client, metrics, in-flight count."""
 
@@ -84,6 +66,7 @@ class ProxyHandler:
             if self.lookup is not None and config.should_overlap:  # E beside PD
                 self.overlap = Overlap(PendingMarks(self.lookup.store), self.encoder,
                                        config.encode_timeout_s)
+        self.media = MediaStage(config, self.encoder, self.lookup, self.overlap, self.metrics)
         self.generator = Generator(config, self.upstreams, client, self.metrics)
         self.replayer = Replayer(config, self.upstreams, self.generator, client, self.metrics)
         self.passthrough = Passthrough(config, self.upstreams, client, self.metrics)
@@ -97,11 +80,11 @@ class ProxyHandler:
                          if k]
 
     def is_authorized(self, scope: Scope) -> bool:
-        return self._auth is None or _presents(scope, [self._auth])
+        return self._auth is None or presents(scope, [self._auth])
 
     def is_trusted(self, scope: Scope) -> bool:
         """Whether the caller may see the topology's insides (the instances' URLs)."""
-        return not self._trusted or _presents(scope, self._trusted)
+        return not self._trusted or presents(scope, self._trusted)
 
     def close(self) -> None:
         """Flush what outlives the app (the store counters); __main__ calls it on exit.
@@ -145,7 +128,7 @@ class ProxyHandler:
         trace = Trace(request_id(rid_header), path)
         answer = self._refuse(scope, length)
         if answer is not None:
-            await _send(send, answer, trace.rid)
+            await send_answer(send, answer, trace.rid)
             self._finish(trace, answer.status)
             return
         self.inflight += 1
@@ -160,24 +143,25 @@ class ProxyHandler:
             return Answer(401, JSON_TYPE, UNAUTHORIZED_BODY)
         if self.inflight >= self.config.max_inflight:
             retry_after = str(self.config.retry_after_s)
-            return _error(ProxyError(503, "The proxy is at its in-flight limit; retry later",
-                                     headers={"retry-after": retry_after}))
+            return error_answer(ProxyError(
+                503, "The proxy is at its in-flight limit; retry later",
+                headers={"retry-after": retry_after}))
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
-            return _error(_too_large(self.config.max_body_bytes))
+            return error_answer(too_large(self.config.max_body_bytes))
         return None
 
     async def _serve(self, route: str | None, scope: Scope, receive: Any, send: Any,
                      trace: Trace, has_rid: bool) -> None:
         try:
-            raw = await _read_body(receive, self.config.max_body_bytes)
+            raw = await read_body(receive, self.config.max_body_bytes)
         except ProxyError as exc:
-            await _send(send, _error(exc), trace.rid)
+            await send_answer(send, error_answer(exc), trace.rid)
             self._finish(trace, exc.status)
             return
         if raw is None:
             self._finish(trace, "client_gone")
             return
-        watcher = _Disconnect(receive)
+        watcher = Disconnect(receive)
         try:
             try:
                 if route is None:
@@ -185,15 +169,15 @@ class ProxyHandler:
                 else:
                     answer = await self._answer(route, scope, raw, trace, has_rid)
             except ProxyError as exc:
-                answer = _error(exc)
+                answer = error_answer(exc)
             except StageFailed as failed:
                 answer = failed.answer()
             if answer.stream is None:
                 watcher.stop()
-                await _send(send, answer, trace.rid)
+                await send_answer(send, answer, trace.rid)
                 self._finish(trace, answer.status)
                 return
-            await _send_stream(send, answer, trace.rid, watcher)
+            await send_stream(send, answer, trace.rid, watcher)
             self._finish(trace, answer.status)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -204,7 +188,8 @@ class ProxyHandler:
         except Exception:
             watcher.stop()
             log.exception("rid=%s internal proxy error", trace.rid)
-            await _send(send, _error(ProxyError(500, "internal proxy error")), trace.rid)
+            internal = error_answer(ProxyError(500, "internal proxy error"))
+            await send_answer(send, internal, trace.rid)
             self._finish(trace, 500)
         finally:
             watcher.stop()
@@ -229,7 +214,7 @@ class ProxyHandler:
             body = scoped
         first: dict[str, Any] | bytes = body if self.config.is_split or is_scoped else raw
         second, is_rewritten = first, False
-        items = self._media(route, body)
+        items = self.media.items(route, body)
         if items:
             trace.items = len(items)
             try:
@@ -246,7 +231,7 @@ class ProxyHandler:
             self.metrics.keyed_by["content"].inc(by_content)
             if self.mooncake is not None:
                 return await self.mooncake.run(route, body, items, stream, trace)
-            first, second, is_rewritten = await self._encode(route, body, items, trace)
+            first, second, is_rewritten = await self.media.run(route, body, items, trace)
         return await self.replayer.run(route, first, second, is_rewritten, stream, trace)
 
     def _scoped_raw(self, route: str, raw: bytes) -> bytes:
@@ -263,63 +248,6 @@ class ProxyHandler:
         scoped, _ = scope_client_uuids(body, self.config.client_uuids,
                                        field=CONTENT_FIELDS[route])
         return raw if scoped is body else jsonio.dumps(scoped)
-
-    def _media(self, route: str, body: dict[str, Any]) -> list[MediaItem]:
-        if self.encoder is None:
-            return []
-        if route == CHAT:
-            return find_media(body)
-        return responses.find_media(body) if route == RESPONSES else []
-
-    async def _encode(self, route: str, body: dict[str, Any], items: list[MediaItem],
-                      trace: Trace) -> tuple[dict[str, Any], dict[str, Any], bool]:
-        """E for every item; PD's body, its fallback, and whether the first is rewritten."""
-        assert self.encoder is not None
-        if route == RESPONSES:
-            view, moved = responses.encoder_view(body, items)
-            looked = await self.encoder.look(view, moved, trace)
-            if self._overlaps(looked, moved, has_rewrite=False):
-                self._overlap(view, looked, trace)
-                encoded = looked.hits
-            else:
-                encoded = await self.encoder.fan_out(view, looked, trace)
-            keyed = responses.pd_body(body, items, encoded.params)
-            return keyed, keyed, False
-        looked = await self.encoder.look(body, items, trace)
-        if self._overlaps(looked, items, has_rewrite=self.config.metadata_rewrite):
-            self._overlap(body, looked, trace)
-            first = pd_body(body, items, looked.hits.reported, looked.hits.params, False)[0]
-            return first, first, False
-        encoded = await self.encoder.fan_out(body, looked, trace)
-        first, is_rewritten = pd_body(body, items, encoded.reported, encoded.params,
-                                      self.config.metadata_rewrite)
-        if not is_rewritten:
-            return first, first, False
-        # The fallback: the media themselves.
-        second = pd_body(body, items, encoded.reported, encoded.params, False)[0]
-        return first, second, True
-
-    def _overlaps(self, looked: Looked, items: list[MediaItem], *, has_rewrite: bool) -> bool:
-        """Whether PD gets the request now, E's items marked pending, instead of after E.
-
-        Not when nothing goes to E, when E's keys are not the uuids (PD would find no mark),
-        nor where the media may be rewritten to E's metadata, which only E's answer gives: a
-        modality overlaps once E has answered for it without metadata (LLaVA), never while
-        it reports some (the Qwen2-VL family) or before E has said either.
-        """
-        known = self.lookup
-        if known is None or not self.config.should_overlap or not looked.is_keyed \
-                or self.encoder is None or not self.encoder.will_send(looked):
-            return False
-        return not has_rewrite or all(it.modality in known.silent and it.modality not in
-                                      known.reporting for it in items)
-
-    def _overlap(self, body: dict[str, Any], looked: Looked, trace: Trace) -> None:
-        """E beside PD: marks that go when no request relies on them any more (then PD
-        encodes what it still lacks); one E for an item several such requests share."""
-        assert self.overlap is not None
-        self.overlap.start(body, looked, trace)
-        self.metrics.overlapped.inc()
 
     async def settle(self) -> None:
         """Wait for the E stages still running beside PD (overlap); tests and shutdown."""
@@ -342,65 +270,3 @@ class ProxyHandler:
             lambda _: self.request_log(trace.line(status, total_s * 1000)))
 
 
-def _error(exc: ProxyError) -> Answer:
-    return Answer(exc.status, JSON_TYPE, exc.body(), headers=exc.headers)
-
-
-def _too_large(limit: int) -> ProxyError:
-    return ProxyError(413, f"request body is larger than {limit} bytes (--max-body-bytes)")
-
-
-async def _read_body(receive: Any, max_bytes: int) -> bytes | None:
-    """The whole body, or None if the client left; 413 past the limit."""
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _headers(answer: Answer, rid: str) -> list[tuple[bytes, bytes]]:
-    if answer.raw_headers is not None:
-        return list(answer.raw_headers)
-    headers = [(b"content-type", answer.content_type.encode()),
-               (b"x-request-id", rid.encode())]
-    headers += [(k.encode(), v.encode()) for k, v in answer.headers.items()]
-    return headers
-
-
-async def _send(send: Any, answer: Answer, rid: str) -> None:
-    headers = _headers(answer, rid)
-    headers.append((b"content-length", str(len(answer.body)).encode()))
-    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-    await send({"type": "http.response.body", "body": answer.body})
-
-
-async def _send_stream(send: Any, answer: Answer, rid: str, watcher: _Disconnect) -> None:
-    """Relay a committed stream; the watcher's cancel stops it if the client leaves."""
-    assert answer.stream is not None
-    stream = answer.stream
-    try:
-        await send({"type": "http.response.start", "status": answer.status,
-                    "headers": _headers(answer, rid)})
-        async for chunk in stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        watcher.stop()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
-
-
-def _presents(scope: Scope, keys: list[bytes]) -> bool:
-    """Whether the request's authorization header is one of `keys` (constant time each)."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            return any([hmac.compare_digest(value, key) for key in keys])
-    return False

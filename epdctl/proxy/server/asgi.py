@@ -1,0 +1,97 @@
+"""The ASGI side of a request: its body read under the cap, the client's departure watched,
+an answer (whole or streamed) sent, the key a request presents."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import MutableMapping
+from typing import Any
+
+from epdctl.proxy.errors import JSON_TYPE, ProxyError
+from epdctl.proxy.stages.generate import Answer
+
+Scope = MutableMapping[str, Any]
+
+
+class Disconnect:
+    """Cancels the request's task when the client goes away before the answer is done."""
+
+    def __init__(self, receive: Any) -> None:
+        self.is_gone = False
+        self._task = asyncio.current_task()
+        self._watch = asyncio.ensure_future(self._wait(receive))
+
+    async def _wait(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.is_gone = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def stop(self) -> None:
+        self._watch.cancel()
+
+
+def error_answer(exc: ProxyError) -> Answer:
+    return Answer(exc.status, JSON_TYPE, exc.body(), headers=exc.headers)
+
+
+def too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"request body is larger than {limit} bytes (--max-body-bytes)")
+
+
+async def read_body(receive: Any, max_bytes: int) -> bytes | None:
+    """The whole body, or None if the client left; 413 past the limit."""
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(max_bytes)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _headers(answer: Answer, rid: str) -> list[tuple[bytes, bytes]]:
+    if answer.raw_headers is not None:
+        return list(answer.raw_headers)
+    headers = [(b"content-type", answer.content_type.encode()),
+               (b"x-request-id", rid.encode())]
+    headers += [(k.encode(), v.encode()) for k, v in answer.headers.items()]
+    return headers
+
+
+async def send_answer(send: Any, answer: Answer, rid: str) -> None:
+    headers = _headers(answer, rid)
+    headers.append((b"content-length", str(len(answer.body)).encode()))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})
+
+
+async def send_stream(send: Any, answer: Answer, rid: str, watcher: Disconnect) -> None:
+    """Relay a committed stream; the watcher's cancel stops it if the client leaves."""
+    assert answer.stream is not None
+    stream = answer.stream
+    try:
+        await send({"type": "http.response.start", "status": answer.status,
+                    "headers": _headers(answer, rid)})
+        async for chunk in stream:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        watcher.stop()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+def presents(scope: Scope, keys: list[bytes]) -> bool:
+    """Whether the request's authorization header is one of `keys` (constant time each)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return any([hmac.compare_digest(value, key) for key in keys])
+    return False

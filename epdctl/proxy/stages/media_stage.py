@@ -1,0 +1,86 @@
+"""The media's part of a request before PD: each item looked up in the store, the rest
+encoded by E, then or beside PD (overlap); what PD gets (its body, and the fallback when the
+media were rewritten to E's metadata)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from epdctl.proxy.config import ProxyConfig
+from epdctl.proxy.metrics import Metrics
+from epdctl.proxy.request import responses
+from epdctl.proxy.request.routing import CHAT, RESPONSES, MediaItem, find_media, pd_body
+from epdctl.proxy.stages.encode import Encoder, Looked
+from epdctl.proxy.stages.lookup import StoreLookup
+from epdctl.proxy.stages.pending import Overlap
+from epdctl.proxy.trace import Trace
+
+
+class MediaStage:
+    """E for a request's media: after the store's lookup, before PD or beside it."""
+
+    def __init__(self, config: ProxyConfig, encoder: Encoder | None,
+                 lookup: StoreLookup | None, overlap: Overlap | None, metrics: Metrics) -> None:
+        self.config = config
+        self.encoder = encoder
+        self.lookup = lookup
+        self.overlap = overlap
+        self.metrics = metrics
+
+    def items(self, route: str, body: dict[str, Any]) -> list[MediaItem]:
+        """The media items E is to encode (none without an encoder)."""
+        if self.encoder is None:
+            return []
+        if route == CHAT:
+            return find_media(body)
+        return responses.find_media(body) if route == RESPONSES else []
+
+    async def run(self, route: str, body: dict[str, Any], items: list[MediaItem],
+                  trace: Trace) -> tuple[dict[str, Any], dict[str, Any], bool]:
+        """E for every item; PD's body, its fallback, and whether the first is rewritten."""
+        assert self.encoder is not None
+        if route == RESPONSES:
+            view, moved = responses.encoder_view(body, items)
+            looked = await self.encoder.look(view, moved, trace)
+            if self._overlaps(looked, moved, has_rewrite=False):
+                self._overlap(view, looked, trace)
+                encoded = looked.hits
+            else:
+                encoded = await self.encoder.fan_out(view, looked, trace)
+            keyed = responses.pd_body(body, items, encoded.params)
+            return keyed, keyed, False
+        looked = await self.encoder.look(body, items, trace)
+        if self._overlaps(looked, items, has_rewrite=self.config.metadata_rewrite):
+            self._overlap(body, looked, trace)
+            first = pd_body(body, items, looked.hits.reported, looked.hits.params, False)[0]
+            return first, first, False
+        encoded = await self.encoder.fan_out(body, looked, trace)
+        first, is_rewritten = pd_body(body, items, encoded.reported, encoded.params,
+                                      self.config.metadata_rewrite)
+        if not is_rewritten:
+            return first, first, False
+        # The fallback: the media themselves.
+        second = pd_body(body, items, encoded.reported, encoded.params, False)[0]
+        return first, second, True
+
+    def _overlaps(self, looked: Looked, items: list[MediaItem], *, has_rewrite: bool) -> bool:
+        """Whether PD gets the request now, E's items marked pending, instead of after E.
+
+        Not when nothing goes to E, when E's keys are not the uuids (PD would find no mark),
+        nor where the media may be rewritten to E's metadata, which only E's answer gives: a
+        modality overlaps once E has answered for it without metadata (LLaVA), never while
+        it reports some (the Qwen2-VL family) or before E has said either.
+        """
+        known = self.lookup
+        if known is None or not self.config.should_overlap or not looked.is_keyed \
+                or self.encoder is None or not self.encoder.will_send(looked):
+            return False
+        return not has_rewrite or all(it.modality in known.silent and it.modality not in
+                                      known.reporting for it in items)
+
+    def _overlap(self, body: dict[str, Any], looked: Looked, trace: Trace) -> None:
+        """E beside PD: marks that go when no request relies on them any more (then PD
+        encodes what it still lacks); one E for an item several such requests share."""
+        assert self.overlap is not None
+        self.overlap.start(body, looked, trace)
+        self.metrics.overlapped.inc()
