@@ -320,7 +320,7 @@ def _after_encoder(http: Http, e_url: str, bodies: Bodies) -> Send:
 def _after_prefill(http: Http, p_url: str, e_url: str | None) -> Send:
     """A Send to D that has E and P do their part first (untimed), as the proxy does, and
     gives D P's kv_transfer_params."""
-    from epdctl.proxy.request.routing import PREFILL_KV
+    from epdctl.proxy.request.shape import PREFILL_KV
 
     async def send(url: str, body: dict[str, Any]) -> Timing:
         if e_url is not None:

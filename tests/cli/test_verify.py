@@ -83,7 +83,7 @@ def test_media_keys_are_the_keys_the_proxy_gives() -> None:
     import asyncio
 
     from epdctl.proxy.request.media import assign_uuids
-    from epdctl.proxy.request.routing import find_media
+    from epdctl.proxy.request.parse import find_media
 
     for prompt in core.PROMPTS:
         items = find_media(core.chat_body(prompt, "m"))

@@ -117,7 +117,7 @@ def key_of(part: Part) -> str:
     import base64
 
     from epdctl.proxy.request.media import content_key
-    from epdctl.proxy.request.routing import MEDIA_TYPES
+    from epdctl.proxy.request.parse import MEDIA_TYPES
 
     kind = part["type"]
     if kind == "input_audio":

@@ -104,7 +104,8 @@ def test_a_keyed_media_part_is_serialized_once_for_e_and_pd(monkeypatch):
     """E's body and PD's (and P's, D's) carry the same keyed part: written once, spliced."""
     import orjson
 
-    from epdctl.proxy.request.routing import encoder_body, find_media, prefill_body, with_keys
+    from epdctl.proxy.request.parse import find_media
+    from epdctl.proxy.request.shape import encoder_body, prefill_body, with_keys
 
     made: list[bytes] = []
     real = orjson.Fragment

@@ -16,7 +16,7 @@ import pytest
 
 from epdctl.cache.sidecar import read_meta
 from epdctl.cache.store import Store
-from epdctl.proxy.request.routing import MediaItem
+from epdctl.proxy.request.parse import MediaItem
 from epdctl.proxy.stages import lookup as lookup_module
 from epdctl.proxy.stages.lookup import StoreLookup
 

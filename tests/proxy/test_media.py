@@ -13,7 +13,7 @@ from epdctl.proxy import ProxyConfig
 from epdctl.proxy.__main__ import upstream_client
 from epdctl.proxy.errors import ProxyError
 from epdctl.proxy.request.media import assign_uuids, content_key
-from epdctl.proxy.request.routing import MediaItem
+from epdctl.proxy.request.parse import MediaItem
 from epdctl.proxy.transport import wrap
 from tests.proxy.sockets import Names
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from epdctl.cache.store import Store
 from epdctl.proxy.request.media import CLIENT_PREFIX, client_key, content_key
-from epdctl.proxy.request.routing import MEDIA_TYPES, MediaItem, rewrite_media
+from epdctl.proxy.request.parse import MEDIA_TYPES, MediaItem
+from epdctl.proxy.request.shape import rewrite_media
 from tests.proxy.fakes import MODEL, PNG, TRANSPORTS, Fakes, rig_on_a_loop
 
 pytestmark = pytest.mark.anyio

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from epdctl.proxy.request.responses import encoder_view, find_media, needs_prefill, pd_body
-from epdctl.proxy.request.routing import encoder_body
+from epdctl.proxy.request.shape import encoder_body
 
 URL = "data:image/png;base64,AAAA"
 

@@ -8,19 +8,21 @@ import json
 import pytest
 
 from epdctl.proxy.errors import ProxyError
-from epdctl.proxy.request.routing import (
+from epdctl.proxy.request.parse import (
     CHAT,
     COMPLETIONS,
-    PREFILL_KV,
     RESPONSES,
-    decode_body,
-    encoder_body,
     find_media,
-    flat_metadata,
     is_stream,
     parse_body,
-    prefill_body,
     request_id,
+)
+from epdctl.proxy.request.shape import (
+    PREFILL_KV,
+    decode_body,
+    encoder_body,
+    flat_metadata,
+    prefill_body,
     rewrite_media,
     with_keys,
 )

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from epdctl.proxy.request.media import content_key
-from epdctl.proxy.request.routing import PREFILL_KV
+from epdctl.proxy.request.shape import PREFILL_KV
 from epdctl.proxy.server import handler as handler_module
 from tests.proxy.fakes import MODEL, PNG, STREAM, Fakes, chat_chunk, image_part, sse, sse_response
 

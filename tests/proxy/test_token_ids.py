@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from epdctl.proxy.request.routing import CHAT, COMPLETIONS
+from epdctl.proxy.request.parse import CHAT, COMPLETIONS
 from epdctl.proxy.stages.token_ids import TokenIds, asked
 
 

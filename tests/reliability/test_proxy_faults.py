@@ -272,7 +272,7 @@ RAW = st.binary(max_size=64) | JSONISH.map(lambda v: json.dumps(v).encode()) | s
 def test_parse_body_accepts_or_refuses_with_a_4xx(raw: bytes, route: str) -> None:
     """Any bytes at all: a dict back, or a ProxyError with a 4xx and an OpenAI error body."""
     from epdctl.proxy.errors import ProxyError
-    from epdctl.proxy.request.routing import find_media, parse_body
+    from epdctl.proxy.request.parse import find_media, parse_body
 
     try:
         body = parse_body(raw, route, (MODEL,))

@@ -25,7 +25,8 @@ import hashlib
 from typing import Any
 
 from epdctl.proxy.errors import ProxyError, UpstreamError, bad_request
-from epdctl.proxy.request.routing import MEDIA_TYPES, MediaItem, replace_parts
+from epdctl.proxy.request.parse import MEDIA_TYPES, MediaItem
+from epdctl.proxy.request.shape import replace_parts
 from epdctl.proxy.transport import Upstream
 
 B64_PIECE_CHARS = 1 << 20

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from epdctl.proxy.request.routing import MM_KWARGS, RESPONSES_MEDIA_PART, MediaItem, with_ec_params
+from epdctl.proxy.request.parse import MM_KWARGS, RESPONSES_MEDIA_PART, MediaItem
+from epdctl.proxy.request.shape import with_ec_params
 
 
 def find_media(body: dict[str, Any]) -> list[MediaItem]:

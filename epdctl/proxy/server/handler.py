@@ -14,7 +14,7 @@ from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError
 from epdctl.proxy.metrics import Metrics, outcome_of
 from epdctl.proxy.request.media import MediaTooLarge, assign_uuids, scope_client_uuids
-from epdctl.proxy.request.routing import (
+from epdctl.proxy.request.parse import (
     CONTENT_FIELDS,
     ORCHESTRATED,
     is_stream,

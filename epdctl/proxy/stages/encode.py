@@ -13,15 +13,8 @@ from epdctl.proxy import jsonio
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.request.routing import (
-    CHAT,
-    MM_KWARGS,
-    MediaItem,
-    dumps,
-    encoder_body,
-    push_body,
-    upstream_headers,
-)
+from epdctl.proxy.request.parse import CHAT, MM_KWARGS, MediaItem
+from epdctl.proxy.request.shape import dumps, encoder_body, push_body, upstream_headers
 from epdctl.proxy.stages.lookup import StoreLookup
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.transport import Upstream

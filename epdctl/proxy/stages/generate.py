@@ -12,14 +12,9 @@ from epdctl.proxy import jsonio
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UpstreamError
 from epdctl.proxy.metrics import Metrics
+from epdctl.proxy.request.parse import RESPONSES
 from epdctl.proxy.request.responses import needs_prefill
-from epdctl.proxy.request.routing import (
-    RESPONSES,
-    decode_body,
-    dumps,
-    prefill_body,
-    upstream_headers,
-)
+from epdctl.proxy.request.shape import decode_body, dumps, prefill_body, upstream_headers
 from epdctl.proxy.sse import error_event, error_status, verdict
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.transport import Reply, Upstream

@@ -32,7 +32,7 @@ from typing import Any
 from epdctl.cache.sidecar import read_meta, write_meta
 from epdctl.cache.stats import StatsWriter
 from epdctl.cache.store import Miss, Store
-from epdctl.proxy.request.routing import MediaItem
+from epdctl.proxy.request.parse import MediaItem
 
 STATS_WRITER = "proxy"
 """The proxy's counters file in the namespace's stats/ (`cache inspect`, `status`)."""

@@ -9,7 +9,8 @@ from typing import Any
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.request import responses
-from epdctl.proxy.request.routing import CHAT, RESPONSES, MediaItem, find_media, pd_body
+from epdctl.proxy.request.parse import CHAT, RESPONSES, MediaItem, find_media
+from epdctl.proxy.request.shape import pd_body
 from epdctl.proxy.stages.encode import Encoder, Looked
 from epdctl.proxy.stages.lookup import StoreLookup
 from epdctl.proxy.stages.pending import Overlap

@@ -8,7 +8,8 @@ from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import ProxyError, bad_request
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.request import responses
-from epdctl.proxy.request.routing import CONTENT_FIELDS, RESPONSES, MediaItem, pd_body
+from epdctl.proxy.request.parse import CONTENT_FIELDS, RESPONSES, MediaItem
+from epdctl.proxy.request.shape import pd_body
 from epdctl.proxy.stages.encode import Encoded, Encoder
 from epdctl.proxy.stages.generate import ATTEMPTS, Answer, Generator, StageFailed, next_attempt
 from epdctl.proxy.trace import Trace

@@ -16,7 +16,7 @@ from typing import Any
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.request.routing import header_id
+from epdctl.proxy.request.parse import header_id
 from epdctl.proxy.stages.generate import ATTEMPTS, Answer, StageFailed, next_attempt, relay
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.transport import Reply, Upstream

@@ -20,7 +20,8 @@ from epdctl.proxy import jsonio
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
-from epdctl.proxy.request.routing import CHAT, COMPLETIONS, dumps, upstream_headers
+from epdctl.proxy.request.parse import CHAT, COMPLETIONS
+from epdctl.proxy.request.shape import dumps, upstream_headers
 from epdctl.proxy.sse import error_event
 from epdctl.proxy.stages import resume, token_ids
 from epdctl.proxy.stages.generate import Answer, Generator, StageFailed

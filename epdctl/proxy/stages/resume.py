@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epdctl.proxy import jsonio
-from epdctl.proxy.request.routing import CHAT, COMPLETIONS
+from epdctl.proxy.request.parse import CHAT, COMPLETIONS
 from epdctl.proxy.sse import EVENT_END, event_data
 
 ENGINE_DEAD = b"EngineCore encountered an issue"

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from epdctl.proxy import jsonio
-from epdctl.proxy.request.routing import CHAT
+from epdctl.proxy.request.parse import CHAT
 from epdctl.proxy.sse import EVENT_END
 from epdctl.proxy.stages.resume import events
 
