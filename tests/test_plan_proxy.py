@@ -32,7 +32,7 @@ def test_proxy_options() -> None:
 
 
 def test_client_uuids_reaches_the_proxy_and_parses_back() -> None:
-    from epdctl.proxy.config import parse_argv
+    from epdctl.proxy.argv import parse_argv
 
     for given, flag in ((False, "--no-client-uuids"), (True, None), (None, None)):
         proxy = {} if given is None else {"client_uuids": given}
@@ -46,7 +46,7 @@ def test_client_uuids_reaches_the_proxy_and_parses_back() -> None:
 
 
 def test_the_proxy_looks_in_the_topologys_store_unless_switched_off(tmp_path: Path) -> None:
-    from epdctl.proxy.config import parse_argv
+    from epdctl.proxy.argv import parse_argv
 
     topology = demo_topology({"encode": {}, "prefill_decode": {}}, cache={"dir": str(tmp_path)})
     result = demo_plan(topology)

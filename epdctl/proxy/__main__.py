@@ -10,7 +10,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from epdctl.proxy.config import LOOPBACK, MODE_LABEL, ProxyConfig, parse_argv
+from epdctl.proxy.argv import parse_argv
+from epdctl.proxy.config import LOOPBACK, MODE_LABEL, ProxyConfig
 
 log = logging.getLogger("epdctl.proxy")
 # vLLM drops idle keep-alive connections after 5 s; retire ours first so a request never

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from epdctl.proxy.config import ProxyConfig, parse_argv
+from epdctl.proxy.argv import parse_argv
+from epdctl.proxy.config import ProxyConfig
 
 
 def test_the_old_pd_flag_is_read_as_prefill_decode_and_never_written(capsys):

@@ -7,7 +7,8 @@ import httpx
 import pytest
 
 from epdctl.proxy.__main__ import upstream_client
-from epdctl.proxy.config import UPSTREAM_KEY_ENV, ProxyConfig, parse_argv
+from epdctl.proxy.argv import parse_argv
+from epdctl.proxy.config import UPSTREAM_KEY_ENV, ProxyConfig
 from epdctl.proxy.transport import wrap
 from tests.proxy.fakes import MODEL, image_part
 from tests.proxy.sockets import Names
