@@ -114,7 +114,7 @@ class Generator:
             # Only an attempt that may fall back turns an early in-stream error into a failure.
             may_fall_back = is_rewritten and attempt + 1 < ATTEMPTS
             try:
-                return await self._attempt(route, body, may_fall_back, is_stream, trace, avoid)
+                return await self.attempt(route, body, may_fall_back, is_stream, trace, avoid)
             except StageFailed as failed:
                 avoid[failed.stage] = failed.inst
                 trace.failed.append((failed.stage, failed.inst.url))
@@ -122,10 +122,11 @@ class Generator:
                 body, is_rewritten = second, False
         raise AssertionError("unreachable")
 
-    async def _attempt(self, route: str, body: dict[str, Any] | bytes, may_fall_back: bool,
-                       is_stream: bool, trace: Trace, avoid: dict[str, Instance],
-                       chosen: dict[str, Instance] | None = None) -> Answer:
-        """`chosen`: the instance of a stage replay.py picked (else the pool picks)."""
+    async def attempt(self, route: str, body: dict[str, Any] | bytes, may_fall_back: bool,
+                      is_stream: bool, trace: Trace, avoid: dict[str, Instance],
+                      chosen: dict[str, Instance] | None = None) -> Answer:
+        """One try: P first when the roles are split, then D (or PD); on the instances
+        `chosen` names (a replay picks them), else the pools pick, avoiding `avoid`."""
         chosen = chosen or {}
         if self.prefill_pool is not None:
             as_dict = body if isinstance(body, dict) else jsonio.loads(body)

@@ -94,7 +94,7 @@ class Replayer:
             log.warning("rid=%s replay %d: %s, now on %s", trace.rid, state.replays, failed,
                         inst.url)
             try:
-                answer = await self.generator._attempt(route, body, False, is_stream, trace,
+                answer = await self.generator.attempt(route, body, False, is_stream, trace,
                                                        {}, {failed.stage: inst})
             except StageFailed as again:
                 trace.failed.append((again.stage, again.inst.url))
@@ -223,7 +223,7 @@ class Replayer:
                 log.warning("rid=%s resume %d %s %d chars (%d tokens): %s, now on %s",
                             trace.rid, state.replays, how, len(so_far.text),
                             len(tokens) if how == "after" else so_far.tokens, exc, inst.url)
-                answer = await self.generator._attempt(route, new, False, True, trace, {},
+                answer = await self.generator.attempt(route, new, False, True, trace, {},
                                                        {stage: inst})
             except (StageFailed, UpstreamError) as again:
                 if isinstance(again, StageFailed):
