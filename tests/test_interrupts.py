@@ -14,7 +14,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _run(body: str) -> subprocess.CompletedProcess[str]:
-    script = "import os, signal, sys, threading\nfrom epdctl.interrupts import unwinding\n"
+    # SIGHUP as a terminal starts a process: a run under `nohup` would hand it on ignored.
+    script = ("import os, signal, sys, threading\nfrom epdctl.interrupts import unwinding\n"
+              "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n")
     return subprocess.run([sys.executable, "-c", script + textwrap.dedent(body)], text=True,
                           capture_output=True, timeout=30)
 
