@@ -97,6 +97,10 @@ def test_requests_sharing_an_image_make_one_e_encode_and_no_local_encode(
             assert wait_for(lambda: proxy_counters(run)["overlapped"]
                             == counted["overlapped"] + 2, 30), proxy_counters(run)
             assert [p.name for p in pending.iterdir()] == [Store.stem(key)]
+            # ... and PD's scheduler is deferring both (its counters flush once a second):
+            # thawed sooner, E may save before PD looks, and PD would never wait at all.
+            assert wait_for(lambda: waits(run)[0] >= waited[0] + 2, ENCODE_TIMEOUT_S / 2), \
+                waits(run)
             assert not any(r.done() for r in replies), "answered without E's entry"
             kill_group(encoder, signal.SIGCONT)
             assert [r.result(timeout=DECODE_TIMEOUT_S) for r in replies] == [expected] * 2
