@@ -197,6 +197,14 @@ def _port_blocks(start: int, sizes: Sequence[int], taken: set[int], what: str
     return blocks
 
 
+# One CPU worker runs in the engine core's process, as vLLM runs a TP1 worker on a GPU: the
+# CPU platform otherwise starts it in a process of its own (the `mp` executor), a third
+# process per instance that imports vLLM again (a third of a start's CPU time and ~0.7 GiB
+# RSS). vLLM's CPU platform keeps the in-process (`uni`) executor when this is "0"; it is
+# read nowhere else by `vllm serve`. A topology's engine/role env can set it back to "1".
+CPU_IN_PROCESS_WORKER = ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
 def _cpu_binding(index: int, instances: int, cpu_count: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND: an equal slice of the CPUs per instance.
 
@@ -284,6 +292,7 @@ def plan(
                 last_user[dev] = name
         else:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(index, len(order), cpu_count))
+            env.setdefault(*CPU_IN_PROCESS_WORKER)  # `device: cpu` is TP1 only
         if internal_key:
             env[KEY_ENV] = internal_key
         specs.append(LaunchSpec(

@@ -356,12 +356,24 @@ def test_log_requests_turns_on_vllm_request_logging_on_every_engine() -> None:
 
 def test_user_env_and_command_win() -> None:
     topology = demo_topology(
-        {"prefill_decode": {"env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}}}, device="cpu",
+        {"prefill_decode": {"env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                    "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}}, device="cpu",
         engine={"command": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"]},
     )
     (pd,) = demo_plan(topology).instances
-    assert pd.env == {**_ipc("pd-0"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert pd.env == {**_ipc("pd-0"), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                      "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     assert pd.argv[:5] == ("python", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL)
+
+
+def test_a_cpu_instance_runs_its_worker_in_the_engine_core_process() -> None:
+    """vLLM's `uni` executor on CPU (its platform keeps it only under this env): two
+    processes an instance, not three, as a TP1 instance on a GPU. Not on GPUs."""
+    topology = demo_topology({"encode": {}, "prefill_decode": {}}, device="cpu")
+    assert all(s.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+               for s in demo_plan(topology).instances)
+    gpu = demo_plan(demo_topology({"encode": {}, "prefill_decode": {}}))
+    assert all("VLLM_ENABLE_V1_MULTIPROCESSING" not in s.env for s in gpu.instances)
 
 
 def test_kv_extra_config_and_connector() -> None:

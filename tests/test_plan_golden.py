@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from epdctl.plan import plan
+from epdctl.plan import CPU_IN_PROCESS_WORKER, plan
 from epdctl.topology import load_topology
 
 ROOT = Path(__file__).parent.parent
@@ -69,4 +69,7 @@ def test_derived_argv_and_env_equal_the_plan_before_the_refactor(name: str, home
         if spec["role"] != "proxy":
             added = ipc.engine_env(Path("/state") / topology.name, spec_name)
             assert {k: spec["env"].pop(k) for k in added} == added
+            # And a CPU instance's worker in its engine core's process (tests/test_plan.py).
+            if topology.device == "cpu":
+                assert spec["env"].pop(CPU_IN_PROCESS_WORKER[0]) == CPU_IN_PROCESS_WORKER[1]
     assert got == GOLDEN[name]

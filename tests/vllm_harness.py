@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from epdctl import ipc
+from epdctl.plan import CPU_IN_PROCESS_WORKER
 from epdctl.shm import mapped_files, release
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ CPU_ENV: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
+    # The worker in the engine core's process, as `epdctl up` starts a CPU instance.
+    CPU_IN_PROCESS_WORKER[0]: CPU_IN_PROCESS_WORKER[1],
 }
 ENGINE_MODULE = "epdctl.engines.vllm_cpu"
 _cores = itertools.count()
