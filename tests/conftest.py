@@ -1,15 +1,19 @@
-"""Shared fixtures: the `epdctl` CliRunner, free ports, and fake-server topologies."""
+"""Shared fixtures: the `epdctl` CliRunner, free ports, fake-server topologies, and for the
+modules that run real vLLM the tiny models and the session's baseline servers."""
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
 
+from tests.baselines import Baselines
 from tests.vllm_harness import free_ports
 
 
@@ -31,6 +35,36 @@ def _no_epdctl_env_left() -> Iterator[None]:
         pytest.fail(f"the test left the environment changed: {changed}")
 
 
+VLLM_SCOPE = "real vLLM"
+TESTS = Path(__file__).parent
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `-n N` (pytest-xdist), every module runs whole on one worker (its module
+    fixtures once), and the modules that start real vLLM (marked e2e) all on one worker, one
+    after another: they share the session's baselines there, and each is CPU-bound (two at
+    once would only slow both, and could see each other's files in /dev/shm and /tmp, which
+    their leftover checks look at). The other modules run beside them on the other workers.
+    (`--dist loadgroup` would say this with markers, but pytest-xdist 3.8 cannot rename a
+    test under pytest 9.2, so its groups are lost.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return VLLM_SCOPE if runs_real_vllm(module) else module
+
+    return Scheduling(config, log)
+
+
+@functools.cache
+def runs_real_vllm(module: str) -> bool:
+    """Whether a test module (a path from the rootdir) starts real vLLM: tests/e2e, and every
+    module marked e2e (its `pytestmark`)."""
+    path = TESTS.parent / module
+    return TESTS / "e2e" in path.parents or "pytest.mark.e2e" in path.read_text()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """An async test's deadline ends the run with every thread's stack (pytest-timeout's
     "thread" method): the "signal" method raises inside the event loop, whose teardown
@@ -44,6 +78,52 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if marker is not None:
             seconds = marker.args[0] if marker.args else marker.kwargs.get("timeout")
         item.add_marker(pytest.mark.timeout(seconds, method="thread"))
+
+
+def _tiny_model(kind: str, request: pytest.FixtureRequest) -> Path:
+    pytest.importorskip("vllm", reason="e2e tests need vLLM (scripts/setup-cpu.sh)")
+    import os
+
+    from epdctl.dev.tiny_models import CACHE_ENV, ensure_model
+
+    # Built once into the pytest cache (reused across runs while the recipe is unchanged),
+    # or this run's temp dir under `-p no:cacheprovider`; $EPDCTL_TINY_MODEL_DIR overrides.
+    cache = getattr(request.config, "cache", None)
+    if os.environ.get(CACHE_ENV):
+        root = Path(os.environ[CACHE_ENV])
+    elif cache is not None:
+        root = cache.mkdir("tiny-models")
+    else:
+        root = request.getfixturevalue("tmp_path_factory").getbasetemp() / "tiny-models"
+    return ensure_model(kind, root)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(request: pytest.FixtureRequest) -> Path:
+    """Directory of the tiny random-weight LLaVA (CLIP 56 px, 16 image tokens, Llama LM)."""
+    return _tiny_model("llava", request)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2vl(request: pytest.FixtureRequest) -> Path:
+    """Directory of the tiny random-weight Qwen2-VL (M-RoPE, images up to 112x112)."""
+    return _tiny_model("qwen2vl", request)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2audio(request: pytest.FixtureRequest) -> Path:
+    """Directory of the tiny random-weight Qwen2-Audio (Whisper-style tower, Qwen2 LM)."""
+    return _tiny_model("qwen2audio", request)
+
+
+@pytest.fixture(scope="session")
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Baselines]:
+    """The session's aggregated servers (tests/baselines.py), stopped at its end."""
+    pool = Baselines(tmp_path_factory.mktemp("baselines"))
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
 
 
 FAKE_SERVER = Path(__file__).parent / "fake_server.py"

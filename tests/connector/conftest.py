@@ -22,6 +22,3 @@ def store_root() -> Iterator[Path]:
     shutdown_all()
     shutil.rmtree(root, ignore_errors=True)
 
-
-# The tiny models of the e2e suite, for this directory's end-to-end tests.
-from tests.e2e.conftest import tiny_llava, tiny_qwen2vl  # noqa: E402, F401

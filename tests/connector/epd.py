@@ -64,8 +64,9 @@ class EPD:
 
 
 @contextmanager
-def epd(model: Path, logs: Path, *, with_baseline: bool) -> Iterator[EPD]:
-    """Start E, PD (and a baseline) at once; stop them and remove the store afterwards."""
+def epd(model: Path, logs: Path, *, baseline: Server | None = None) -> Iterator[EPD]:
+    """Start E and PD (beside a baseline that may still be starting); stop them and remove
+    the store afterwards (the baseline is the session's: tests/baselines.py)."""
     store_dir = Path(tempfile.mkdtemp(prefix="epdctl-test-", dir="/dev/shm"))
     servers = {
         "encode": start_vllm(
@@ -83,11 +84,11 @@ def epd(model: Path, logs: Path, *, with_baseline: bool) -> Iterator[EPD]:
             args=("--ec-transfer-config", ec_config("ec_consumer", store_dir, "t-pd-0")),
         ),
     }
-    if with_baseline:
-        servers["baseline"] = start_vllm(model, log_path=logs / "baseline.log", name="baseline")
     try:
         wait_all_ready(servers.values(), 300)
-        yield EPD(servers["encode"], servers["pd"], store_dir, servers.get("baseline"))
+        if baseline is not None:
+            wait_all_ready([baseline], 300, stop_on_failure=False)
+        yield EPD(servers["encode"], servers["pd"], store_dir, baseline)
     finally:
         from tests.vllm_harness import stop_all
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from epdctl.cache._format import PAGE_BYTES, decode_header
+from tests.baselines import Baselines
 from tests.connector.epd import (
     EPD,
     body,
@@ -24,8 +25,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EPD]:
-    with epd(tiny_llava, tmp_path_factory.mktemp("epd-llava"), with_baseline=True) as running:
+def servers(tiny_llava: Path, baselines: Baselines,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[EPD]:
+    with epd(tiny_llava, tmp_path_factory.mktemp("epd-llava"),
+             baseline=baselines.start(tiny_llava)) as running:
         yield running
 
 

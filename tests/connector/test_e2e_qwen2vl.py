@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def servers(tiny_qwen2vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EPD]:
     logs = tmp_path_factory.mktemp("epd-qwen2vl")
-    with epd(tiny_qwen2vl, logs, with_baseline=False) as running:
+    with epd(tiny_qwen2vl, logs) as running:
         yield running
 
 

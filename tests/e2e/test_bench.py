@@ -1,5 +1,8 @@
-"""`epdctl bench topologies/cpu-demo.yaml` for real: two arms in two rounds (both orders), two
-load points, repeated images; and an A/A run (the topology against a copy of itself)."""
+"""`epdctl bench topologies/cpu-demo.yaml` for real: two arms in two rounds (both orders),
+repeated images, a warm-up after each start; and an A/A run (the topology against a copy of
+itself). One load point each: every point is a `vllm bench serve` process (~12 s of a core
+to import), and several points are the CLI's own arithmetic, tested on the simulated load
+generator (tests/cli/test_bench.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ def test_bench_cpu_demo(tiny_llava: Path, tmp_path: Path) -> None:
     path, cache_dir = write_topology("cpu-demo", tmp_path, tiny_llava)
     state_root, out = tmp_path / "state", tmp_path / "out"
     argv = [sys.executable, "-m", "epdctl", "--state-dir", str(state_root), "bench", str(path),
-            "--max-concurrency", "1,4", "--num-prompts", str(NUM_PROMPTS),
+            "--max-concurrency", "4", "--num-prompts", str(NUM_PROMPTS),
             "--repeat", str(REPEAT), "--image-size", "56", "--input-len", "32",
             "--output-len", "8", "--slo", "ttft=10s,tpot=1s", "--timeout", "400",
             "--rounds", "2", "--warmup", "2", "--json", "--out", str(out)]
@@ -52,11 +55,10 @@ def check_report(result: subprocess.CompletedProcess[str], out: Path, state_root
                                                              ("aggregated", "pd")]
     # Both orders: epd then aggregated, then aggregated (still up) then epd (started again).
     turns = [(o["round"], o["arm"]) for o in doc["order"]]
-    assert turns == [(0, "epd"), (0, "epd"), (0, "aggregated"), (0, "aggregated"),
-                     (1, "aggregated"), (1, "aggregated"), (1, "epd"), (1, "epd")]
+    assert turns == [(0, "epd"), (0, "aggregated"), (1, "aggregated"), (1, "epd")]
     assert [(a["name"], a["starts"]) for a in doc["arms"]] == [("epd", 2), ("aggregated", 1)]
     rows = {(r["arm"], r["point"]): r for r in doc["results"]}
-    assert sorted(rows) == [("aggregated", 0), ("aggregated", 1), ("epd", 0), ("epd", 1)]
+    assert sorted(rows) == [("aggregated", 0), ("epd", 0)]
     for row in rows.values():  # every request completed, every figure there, per round
         assert [x["round"] for x in row["rounds"]] == [0, 1]
         for x in row["rounds"]:
@@ -75,7 +77,7 @@ def check_report(result: subprocess.CompletedProcess[str], out: Path, state_root
             else:
                 assert row["figures"][name] is None and why in ("n<100", "n<1000", "n/a")
         assert row["unsupported"].get("ttft_p99_ms") == "n<1000"
-    for point in (0, 1):
+    for point in (0,):
         assert rows[("epd", point)]["ratios"]["request_goodput"] is not None
         assert rows[("epd", point)]["proxy"]["encode_mean_ms"] > 0
         assert rows[("aggregated", point)]["store"] is None  # no encoder, no store
@@ -83,7 +85,7 @@ def check_report(result: subprocess.CompletedProcess[str], out: Path, state_root
     # The store reflects the repeats, in each round (each its own images): E saved each
     # distinct image once, P/PD loaded every distinct image from the store (and served the
     # repeats from it or its own cache).
-    for index in (0, 1):
+    for index in (0,):
         for round_, suffix in ((0, ""), (1, "-r2")):
             dataset = out / "datasets" / f"point-{index}{suffix}.jsonl"
             images = [u for line in dataset.read_text().splitlines()
@@ -101,7 +103,7 @@ def check_report(result: subprocess.CompletedProcess[str], out: Path, state_root
     assert check["answers"]["epd"] == check["answers"]["aggregated"]
     assert all(check["answers"]["epd"])
 
-    assert len(doc["verdicts"]) == 2
+    assert len(doc["verdicts"]) == 1
     for v in doc["verdicts"]:  # a verdict naming its figure and interval, or none
         assert v["n"] == 2 * NUM_PROMPTS and v["figures"], v
         if v["kind"] in ("better", "worse", "mixed"):

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from tests.baselines import Baselines
 from tests.e2e.parity import bench, compare, missing_image, responses_image_entry
 from tests.e2e.topology_run import (
     TopologyRun,
-    baseline_server,
     cache_entry,
     check_all_ready,
     check_down,
@@ -48,11 +48,10 @@ KEY = "demo-key-for-the-e2e-test"
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The aggregated server both runs are compared with (it starts beside the first `up`)."""
-    log = tmp_path_factory.mktemp("cpu-demo-baseline") / "baseline.log"
-    with baseline_server(tiny_llava, log) as server:
-        yield server
+def baseline(tiny_llava: Path, baselines: Baselines) -> Server:
+    """The aggregated server both runs are compared with (the session's: it may still be
+    starting, beside the first `up`, which waits for it)."""
+    return baselines.start(tiny_llava)
 
 
 @pytest.fixture(scope="module")

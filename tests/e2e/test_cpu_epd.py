@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.baselines import Baselines
 from tests.e2e.parity import bench, compare, missing_image, responses_image_entry
 from tests.e2e.second_proxy import second_proxy
 from tests.e2e.topology_run import (
@@ -35,7 +36,7 @@ INSTANCES = ("encode-0", "prefill-0", "decode-0")
 
 @pytest.fixture(scope="module")
 def epd(
-    tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_llava: Path, baselines: Baselines, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TopologyRun, Server]]:
     """cpu-epd.yaml as shipped, with free ports, a private store and DEBUG logs, plus its
     baseline."""
@@ -43,7 +44,7 @@ def epd(
     path, cache_dir = write_topology("cpu-epd", tmp, tiny_llava,
                                      env={"VLLM_LOGGING_LEVEL": "DEBUG"})
     # P and D use 32-token KV blocks; so does the baseline, so the kernels match too.
-    with topology_with_baseline(path, cache_dir, tmp / "state", tiny_llava,
+    with topology_with_baseline(path, cache_dir, tmp / "state", baselines, tiny_llava,
                                 ("--block-size", "32")) as servers:
         yield servers
 

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.baselines import Baselines
 from tests.e2e.topology_run import (
     TopologyRun,
     check_all_ready,
@@ -31,7 +32,7 @@ INSTANCES = ("encode-0", "pd-0")
 
 @pytest.fixture(scope="module")
 def demo(
-    tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_llava: Path, baselines: Baselines, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TopologyRun, Server]]:
     """The example-connector demo with free ports, a private store root and DEBUG logs."""
     tmp = tmp_path_factory.mktemp("cpu-demo-example")
@@ -40,7 +41,8 @@ def demo(
     data = yaml.safe_load(path.read_text())
     data["restart"] = {"policy": "on-failure", "max_restarts": 1, "backoff": "1s"}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    with topology_with_baseline(path, cache_dir, tmp / "state", tiny_llava) as servers:
+    with topology_with_baseline(path, cache_dir, tmp / "state", baselines,
+                                tiny_llava) as servers:
         yield servers
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.baselines import AUDIO_ARGS, QWEN2VL_ARGS, Baselines
 from tests.e2e.topology_run import (
     TopologyRun,
     cache_entry,
@@ -61,9 +62,7 @@ class Case:
     modalities: frozenset[str] = frozenset({"image", "video"})
 
 
-VL_ARGS = ("--limit-mm-per-prompt", '{"image": 2, "video": 2}')
-AUDIO_ARGS = ("--limit-mm-per-prompt", '{"audio": 2}', "--max-model-len", "1024",
-              "--max-num-batched-tokens", "1024")
+VL_ARGS = QWEN2VL_ARGS
 CASES = {
     "qwen2vl-e-pd": Case("cpu-qwen2vl", "tiny_qwen2vl", "tiny-qwen2vl", ("pd-0",), VL_ARGS),
     "qwen2vl-e-p-d": Case("cpu-qwen2vl-epd", "tiny_qwen2vl", "tiny-qwen2vl",
@@ -89,8 +88,8 @@ class Running:
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Running]:
+def topo(request: pytest.FixtureRequest, baselines: Baselines,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     """The case's topology with free ports, a private store and DEBUG logs, and a baseline."""
     case = CASES[request.param]
     if "audio" in case.modalities:
@@ -102,7 +101,7 @@ def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     data = yaml.safe_load(path.read_text())  # E comes back after the SIGKILL test
     data["restart"] = {"policy": "on-failure", "backoff": 0.5}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    with topology_with_baseline(path, cache_dir, tmp / "state", model,
+    with topology_with_baseline(path, cache_dir, tmp / "state", baselines, model,
                                 case.baseline_args) as (run, baseline):
         yield Running(case, run, baseline)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from epdctl.proxy.config import UPSTREAM_KEY_ENV
+from tests.baselines import QWEN2VL_ARGS, Baselines
 from tests.e2e.topology_run import (
     MEDIA_PROBE,
     TopologyRun,
@@ -45,7 +46,7 @@ def probe_env(path: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def qwen(
-    tiny_qwen2vl: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_qwen2vl: Path, baselines: Baselines, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TopologyRun, Server]]:
     """cpu-qwen2vl.yaml with free ports, a private store, DEBUG logs and the probe."""
     tmp = tmp_path_factory.mktemp("cpu-qwen2vl")
@@ -54,7 +55,8 @@ def qwen(
         role_env={"encode": probe_env(tmp / "probe-encode.txt"),
                   "prefill_decode": probe_env(tmp / "probe-pd.txt")},
     )
-    with topology_with_baseline(path, cache_dir, tmp / "state", tiny_qwen2vl) as servers:
+    with topology_with_baseline(path, cache_dir, tmp / "state", baselines, tiny_qwen2vl,
+                                QWEN2VL_ARGS) as servers:
         yield servers
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.baselines import QWEN2VL_ARGS, Baselines
 from tests.vllm_harness import (
     TOPOLOGIES,
     Server,
@@ -18,9 +18,6 @@ from tests.vllm_harness import (
     copy_topology,
     image_data_url,
     make_image,
-    start_vllm,
-    stop_all,
-    wait_all_ready,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -28,22 +25,14 @@ KINDS = ("llava", "qwen2vl")
 
 
 @pytest.fixture(scope="module")
-def servers(
-    tiny_llava: Path, tiny_qwen2vl: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Server]]:
-    """One aggregated server per tiny model, started together (import time dominates)."""
-    logs = tmp_path_factory.mktemp("tiny-models")
-    started = {
-        kind: start_vllm(model, log_path=logs / f"{kind}.log", name=kind)
-        for kind, model in (("llava", tiny_llava), ("qwen2vl", tiny_qwen2vl))
-    }
-    try:
-        wait_all_ready(started.values(), 300)
-        yield started
-    finally:
-        stop_all(started.values())
-    for server in started.values():
-        assert not server.alive()
+def servers(tiny_llava: Path, tiny_qwen2vl: Path, baselines: Baselines) -> dict[str, Server]:
+    """The session's aggregated server of each tiny model, started together (import time
+    dominates), with the flags every module's baseline has (tests/baselines.py)."""
+    flags = {"llava": (), "qwen2vl": QWEN2VL_ARGS}
+    models = {"llava": tiny_llava, "qwen2vl": tiny_qwen2vl}
+    for kind, model in models.items():
+        baselines.start(model, flags[kind])
+    return {kind: baselines.ready(model, flags[kind]) for kind, model in models.items()}
 
 
 @pytest.fixture(params=KINDS)
@@ -99,8 +88,8 @@ def test_greedy_choices_are_decisive(server: Server) -> None:
         lead = margins(server, urls)
         context.append(min(lead[:2]))
         rest.append(min(lead[2:]))
-    print(f"\n{server.name}: the context's choices lead by {min(context):.4f} at least, "
-          f"the chain's by {min(rest):.3f}")
+    print(f"\n{Path(server.model).name}: the context's choices lead by {min(context):.4f} "
+          f"at least, the chain's by {min(rest):.3f}")
     assert min(context) >= CONTEXT_MARGIN, context
     assert min(rest) >= CHAIN_MARGIN, rest
 
@@ -145,8 +134,8 @@ def prompt_tokens(server: Server, urls: list[str]) -> int:
     return response.usage.prompt_tokens
 
 
-def test_image_token_counts(server: Server) -> None:
-    kind = server.name
+def test_image_token_counts(server: Server, request: pytest.FixtureRequest) -> None:
+    kind = request.node.callspec.params["server"]
     text_only = prompt_tokens(server, [])
     for size, tokens in IMAGE_TOKENS[kind].items():
         assert prompt_tokens(server, [image(5, size)]) - text_only == tokens, size

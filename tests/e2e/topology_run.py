@@ -17,12 +17,11 @@ from typing import Any
 
 import yaml
 
+from tests.baselines import Baselines
 from tests.vllm_harness import (
     TOPOLOGIES,
     Server,
     copy_topology,
-    start_vllm,
-    stop_all,
     wait_all_ready,
 )
 
@@ -116,16 +115,6 @@ def cli_env() -> dict[str, str]:
 
 
 @contextmanager
-def baseline_server(model: Path, log_path: Path, args: Sequence[str] = ()) -> Iterator[Server]:
-    """An aggregated baseline, starting (wait_all_ready before use); stopped after."""
-    baseline = start_vllm(model, log_path=log_path, name="baseline", args=args)
-    try:
-        yield baseline
-    finally:
-        stop_all([baseline])
-
-
-@contextmanager
 def topology_up(path: Path, cache_dir: Path, state_root: Path, *,
                 baseline: Server | None = None) -> Iterator[TopologyRun]:
     """`up -d` the topology (and wait for the baseline starting meanwhile); down and clean
@@ -139,7 +128,7 @@ def topology_up(path: Path, cache_dir: Path, state_root: Path, *,
                          timeout_s=READY_TIMEOUT_S + 60)
             assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
             if baseline is not None:
-                wait_all_ready([baseline], READY_TIMEOUT_S)
+                wait_all_ready([baseline], READY_TIMEOUT_S, stop_on_failure=False)
             yield run
         finally:
             if run.is_up():
@@ -150,13 +139,14 @@ def topology_up(path: Path, cache_dir: Path, state_root: Path, *,
 
 @contextmanager
 def topology_with_baseline(
-    path: Path, cache_dir: Path, state_root: Path, baseline_model: Path,
+    path: Path, cache_dir: Path, state_root: Path, baselines: Baselines, baseline_model: Path,
     baseline_args: Sequence[str] = (),
 ) -> Iterator[tuple[TopologyRun, Server]]:
-    """`up -d` the topology while an aggregated baseline starts; down and clean up after."""
-    with baseline_server(baseline_model, state_root / "baseline.log", baseline_args) as base:
-        with topology_up(path, cache_dir, state_root, baseline=base) as run:
-            yield run, base
+    """`up -d` the topology while the session's baseline for the model starts (if it is not
+    up yet); down and clean up after (the baseline stays, tests/baselines.py)."""
+    base = baselines.start(baseline_model, baseline_args)
+    with topology_up(path, cache_dir, state_root, baseline=base) as run:
+        yield run, baselines.ready(baseline_model, baseline_args)
 
 
 def _semaphores() -> set[str]:

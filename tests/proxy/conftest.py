@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import tiny_llava  # noqa: F401  (test_real_vllm.py)
 from tests.proxy.fakes import TRANSPORTS, Fakes, Rig, close_rig, make_rig
 from tests.proxy.sockets import Names
 

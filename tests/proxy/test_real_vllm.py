@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from epdctl.proxy.request.media import content_key
+from tests.baselines import Baselines
 from tests.vllm_harness import chat, free_port, image_data_url, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -25,14 +26,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def stack(
-    tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_llava: Path, baselines: Baselines, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, object, Path]]:
     """E, PD and a baseline (real vLLM) plus `python -m epdctl.proxy` in front of E and PD."""
     from tests.connector.epd import epd
 
     model = tiny_llava
     logs = tmp_path_factory.mktemp("proxy-real")
-    with epd(model, logs, with_baseline=True) as servers:
+    with epd(model, logs, baseline=baselines.start(model)) as servers:
         port = free_port()
         log = logs / "proxy.log"
         with log.open("wb") as out:
