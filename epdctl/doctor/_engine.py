@@ -108,11 +108,9 @@ def vllm_requirement() -> str | None:
 
 
 def _outside(version: str, requirement: str) -> bool:
-    try:
-        from packaging.specifiers import InvalidSpecifier, SpecifierSet
-        from packaging.version import InvalidVersion, Version
-    except ImportError:
-        return False
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
     try:
         return not SpecifierSet(requirement).contains(Version(version), prereleases=True)
     except (InvalidSpecifier, InvalidVersion):
