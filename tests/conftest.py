@@ -51,10 +51,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class Scheduling(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return VLLM_SCOPE if runs_real_vllm(module) else module
+            return scope_of(nodeid)
 
     return Scheduling(config, log)
+
+
+def scope_of(nodeid: str) -> str:
+    """The scope a test runs in under `-n N`: VLLM_SCOPE, or its module."""
+    module = nodeid.split("::", 1)[0]
+    return VLLM_SCOPE if runs_real_vllm(module) else module
 
 
 @functools.cache
