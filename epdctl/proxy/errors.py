@@ -14,6 +14,8 @@ VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableE
               503: "ServiceUnavailableError"}
 # What `vllm serve --api-key` answers without a valid key (its AuthenticationMiddleware).
 UNAUTHORIZED_BODY = b'{"error":"Unauthorized"}'
+ENGINE_DEAD = b"EngineCore encountered an issue"
+"""vLLM's message when its engine died (EngineDeadError): the instance is going down."""
 
 
 def vllm_type(status: int) -> str:

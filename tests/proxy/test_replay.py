@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from epdctl.logs.journey import find
-from epdctl.proxy.stages.replay import MAX_REPLAYS
-from epdctl.proxy.stages.resume import ENGINE_DEAD
+from epdctl.proxy.attempts import MAX_REPLAYS
+from epdctl.proxy.errors import ENGINE_DEAD
 from tests.proxy.fakes import MODEL, STREAM, Seen, chat_chunk, sse, sse_response
 from tests.waits import until
 

@@ -15,11 +15,12 @@ from epdctl.proxy.stages.token_ids import TokenIds, asked
     (b'  {}', True),
     (b'{"return_token_ids": false, "stream": true}', True),
     (b'{"return_token_ids": true}', False),
+    (b'{"messages": [{"content": "say return_token_ids"}]}', True),
     ({"stream": True}, True),
     ({"return_token_ids": True}, False),
 ])
 def test_asked_sets_the_flag_and_says_whose_it_is(body, ours):
-    new, is_ours = asked(body)
+    new, is_ours = asked(body, body if isinstance(body, dict) else json.loads(body))
     as_dict = new if isinstance(new, dict) else json.loads(new)
     assert as_dict["return_token_ids"] is True and is_ours is ours
     original = body if isinstance(body, dict) else json.loads(body)

@@ -8,8 +8,8 @@ import hmac
 from collections.abc import MutableMapping
 from typing import Any
 
+from epdctl.proxy.answer import Answer
 from epdctl.proxy.errors import JSON_TYPE, ProxyError
-from epdctl.proxy.stages.generate import Answer
 
 Scope = MutableMapping[str, Any]
 

@@ -10,17 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 from epdctl.proxy import jsonio
+from epdctl.proxy.answer import Answer, StageFailed
+from epdctl.proxy.attempts import Attempts
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import JSON_TYPE, UNAUTHORIZED_BODY, ProxyError
 from epdctl.proxy.metrics import Metrics, outcome_of
+from epdctl.proxy.request.inflight import Request
 from epdctl.proxy.request.media import MediaTooLarge, assign_uuids, scope_client_uuids
-from epdctl.proxy.request.parse import (
-    CONTENT_FIELDS,
-    ORCHESTRATED,
-    is_stream,
-    parse_body,
-    request_id,
-)
+from epdctl.proxy.request.parse import CONTENT_FIELDS, ORCHESTRATED, parse_body, request_id
 from epdctl.proxy.server.asgi import (
     Disconnect,
     Scope,
@@ -32,7 +29,7 @@ from epdctl.proxy.server.asgi import (
     too_large,
 )
 from epdctl.proxy.stages.encode import Encoder
-from epdctl.proxy.stages.generate import Answer, Generator, StageFailed
+from epdctl.proxy.stages.generate import Generator
 from epdctl.proxy.stages.lookup import StoreLookup
 from epdctl.proxy.stages.media_stage import MediaStage
 from epdctl.proxy.stages.mooncake import MooncakeRoute
@@ -162,12 +159,13 @@ class ProxyHandler:
             self._finish(trace, "client_gone")
             return
         watcher = Disconnect(receive)
+        attempts = Attempts(trace, self.metrics, self.upstreams)
         try:
             try:
                 if route is None:
-                    answer = await self.passthrough.run(scope, raw, trace)
+                    answer = await self.passthrough.run(scope, raw, attempts)
                 else:
-                    answer = await self._answer(route, scope, raw, trace, has_rid)
+                    answer = await self._answer(route, scope, raw, attempts, has_rid)
             except ProxyError as exc:
                 answer = error_answer(exc)
             except StageFailed as failed:
@@ -194,17 +192,19 @@ class ProxyHandler:
         finally:
             watcher.stop()
 
-    async def _answer(self, route: str, scope: Scope, raw: bytes, trace: Trace,
+    async def _answer(self, route: str, scope: Scope, raw: bytes, attempts: Attempts,
                       has_rid: bool) -> Answer:
+        """A completion route's answer: the body parsed once into the request that goes
+        through the stages (media keyed, E, then PD with its replays)."""
+        trace = attempts.trace
         try:
             body = parse_body(raw, route, self.config.models)
         except ProxyError:
             # Not ours to refuse: vLLM answers it (its own error, or its answer).
             trace.notes.append("passed_through=1")
-            return await self.passthrough.run(scope, self._scoped_raw(route, raw), trace)
+            return await self.passthrough.run(scope, self._scoped_raw(route, raw), attempts)
         if not has_rid and isinstance(body.get("request_id"), str):
             trace.rid = request_id(body["request_id"])  # what vLLM names the answer by
-        stream = is_stream(body)
         is_scoped = False
         if route in CONTENT_FIELDS:  # before anything reads a uuid: none goes on as sent
             scoped, by_client = scope_client_uuids(body, self.config.client_uuids,
@@ -212,8 +212,9 @@ class ProxyHandler:
             self.metrics.keyed_by["client"].inc(by_client)
             is_scoped = scoped is not body
             body = scoped
-        first: dict[str, Any] | bytes = body if self.config.is_split or is_scoped else raw
-        second, is_rewritten = first, False
+        req = Request(route, raw, body, trace, attempts)
+        if self.config.is_split or is_scoped:
+            req.for_pd(body)  # the client's bytes no longer say it
         items = self.media.items(route, body)
         if items:
             trace.items = len(items)
@@ -227,12 +228,12 @@ class ProxyHandler:
                 # Media the proxy cannot key (bad base64, a URL it cannot fetch): PD gets
                 # the body as it came and answers for it, as vLLM would.
                 trace.notes.append("media_unkeyed=1")
-                return await self.replayer.run(route, first, first, False, stream, trace)
+                return await self.replayer.run(req)
             self.metrics.keyed_by["content"].inc(by_content)
             if self.mooncake is not None:
-                return await self.mooncake.run(route, body, items, stream, trace)
-            first, second, is_rewritten = await self.media.run(route, body, items, trace)
-        return await self.replayer.run(route, first, second, is_rewritten, stream, trace)
+                return await self.mooncake.run(req, items)
+            await self.media.run(req, items)
+        return await self.replayer.run(req)
 
     def _scoped_raw(self, route: str, raw: bytes) -> bytes:
         """A body the proxy does not take, with no client uuid left as sent either: vLLM may

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epdctl.proxy import jsonio
+from epdctl.proxy.attempts import ENCODE_ATTEMPTS
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
+from epdctl.proxy.request.inflight import Request
 from epdctl.proxy.request.parse import CHAT, MM_KWARGS, MediaItem
 from epdctl.proxy.request.shape import dumps, encoder_body, push_body, upstream_headers
 from epdctl.proxy.stages.lookup import StoreLookup
-from epdctl.proxy.trace import Trace
 from epdctl.proxy.transport import Upstream
 from epdctl.proxy.upstreams import Pool
 
@@ -67,19 +68,20 @@ class Encoder:
         self.metrics = metrics
         self.lookup = lookup
 
-    async def run(self, body: dict[str, Any], items: list[MediaItem], trace: Trace,
+    async def run(self, body: dict[str, Any], items: list[MediaItem], req: Request,
                   consumer_zmq: str | None = None) -> Encoded:
         """Encode every distinct item; with `consumer_zmq`, E pushes each one there (Mooncake).
 
         Without a consumer a failed item is a fallback (PD encodes it); with one it is not:
         a Mooncake consumer cannot encode, so the caller decides what a failure means.
         """
-        return await self.fan_out(body, await self.look(body, items, trace, consumer_zmq),
-                                  trace, consumer_zmq)
+        return await self.fan_out(body, await self.look(body, items, req, consumer_zmq),
+                                  req, consumer_zmq)
 
-    async def look(self, body: dict[str, Any], items: list[MediaItem], trace: Trace,
+    async def look(self, body: dict[str, Any], items: list[MediaItem], req: Request,
                    consumer_zmq: str | None = None) -> Looked:
         """The distinct items, and which of them the store already holds (no E for those)."""
+        trace = req.trace
         unique: dict[str, MediaItem] = {}
         for item in items:
             if item.uuid is not None:
@@ -105,9 +107,10 @@ class Encoder:
         """Whether fan_out will send anything to an encoder."""
         return bool(looked.unique) and bool(self.pool.healthy)
 
-    async def fan_out(self, body: dict[str, Any], looked: Looked, trace: Trace,
+    async def fan_out(self, body: dict[str, Any], looked: Looked, req: Request,
                       consumer_zmq: str | None = None) -> Encoded:
         """E for the items the store lacks; what they and the store's hits give PD."""
+        trace = req.trace
         out, unique = looked.hits, looked.unique
         looked_up, skipped = looked.lookups, looked.skipped
         if not unique and not looked_up:
@@ -130,12 +133,12 @@ class Encoder:
             # A deadline for the whole stage: whatever is unfinished falls back to PD.
             async with asyncio.timeout(self.config.encode_timeout_s):
                 if len(unique) == 1:  # the common case needs no task of its own
-                    await self._one(body, next(iter(unique.values())), 0, trace, results,
+                    await self._one(body, next(iter(unique.values())), 0, req, results,
                                     consumer_zmq)
                 else:
                     async with asyncio.TaskGroup() as tg:
                         for n, item in enumerate(unique.values()):
-                            tg.create_task(self._one(body, item, n, trace, results,
+                            tg.create_task(self._one(body, item, n, req, results,
                                                      consumer_zmq))
         except TimeoutError:
             trace.notes.append("encode_timeout=1")
@@ -169,15 +172,17 @@ class Encoder:
         if self.lookup is not None and lookups:
             self.lookup.count(lookups, skipped, sent)
 
-    async def _one(self, body: dict[str, Any], item: MediaItem, n: int, trace: Trace,
+    async def _one(self, body: dict[str, Any], item: MediaItem, n: int, req: Request,
                    results: dict[str, Any], consumer_zmq: str | None = None) -> None:
-        """Send one item, retrying once on another encoder; never raises."""
+        """Send one item, again on another encoder where the attempt policy says so; never
+        raises."""
+        trace = req.trace
         request = encoder_body(body, item)
         payload = dumps(request)
         headers = upstream_headers(f"{trace.rid}:enc{n}")
         avoid = None
         transfer_id = None
-        for attempt in range(2):
+        for attempt in range(ENCODE_ATTEMPTS):
             if consumer_zmq:
                 # A fresh id per attempt: an attempt that failed may still have pushed, and
                 # a consumer refuses an id that already names a transfer.
@@ -198,15 +203,13 @@ class Encoder:
                 if reply.status == 200:
                     results[item.uuid or ""] = (*_parse(data, item.uuid or ""), transfer_id)
                     return
-                # An answer, even a 5xx, is not retried (generate.next_attempt's rule).
+                # An answer, even a 5xx, is not tried again (attempts.py).
                 problem = f"encode instance {inst.url}: HTTP {reply.status}: {data[:200]!r}"
                 is_retryable = False
             finally:
                 inst.outstanding -= 1
-            if not is_retryable or attempt == 1:
+            if not req.attempts.encode_again(attempt, is_retryable):
                 break
-            trace.retries += 1
-            self.metrics.retries.labels("encode").inc()
         then = "giving up" if consumer_zmq else "PD will encode it"
         log.warning("rid=%s:enc%d encoder failed, %s: %s", trace.rid, n, then, problem)
         results[item.uuid or ""] = problem

@@ -5,7 +5,7 @@ the way a consumer does (epdctl.cache: header, key, namespace, size; no pin) and
 per-item metadata beside the entry when E answers, so a skipped item can still be rewritten
 to `*_embeds` metadata. A look is only a hint: the entry may go before PD loads it, and then
 PD encodes the media itself, or a rewritten request is resent with its media
-(generate.next_attempt). Stdlib and epdctl.cache only: no vLLM here.
+(the attempt policy: attempts.py). Stdlib and epdctl.cache only: no vLLM here.
 
 File-system calls cost far more inside the busy proxy than their own time (measured: a
 missed lookup by open(2) added ~5 % of the proxy's CPU per image request), so a key is

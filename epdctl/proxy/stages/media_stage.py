@@ -9,12 +9,12 @@ from typing import Any
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.request import responses
+from epdctl.proxy.request.inflight import Request
 from epdctl.proxy.request.parse import CHAT, RESPONSES, MediaItem, find_media
 from epdctl.proxy.request.shape import pd_body
 from epdctl.proxy.stages.encode import Encoder, Looked
 from epdctl.proxy.stages.lookup import StoreLookup
 from epdctl.proxy.stages.pending import Overlap
-from epdctl.proxy.trace import Trace
 
 
 class MediaStage:
@@ -36,33 +36,35 @@ class MediaStage:
             return find_media(body)
         return responses.find_media(body) if route == RESPONSES else []
 
-    async def run(self, route: str, body: dict[str, Any], items: list[MediaItem],
-                  trace: Trace) -> tuple[dict[str, Any], dict[str, Any], bool]:
-        """E for every item; PD's body, its fallback, and whether the first is rewritten."""
+    async def run(self, req: Request, items: list[MediaItem]) -> None:
+        """E for every item; then what PD gets (`req.for_pd`): its body, and the fallback
+        where the first has the media rewritten to E's metadata."""
         assert self.encoder is not None
-        if route == RESPONSES:
+        body = req.body
+        if req.route == RESPONSES:
             view, moved = responses.encoder_view(body, items)
-            looked = await self.encoder.look(view, moved, trace)
+            looked = await self.encoder.look(view, moved, req)
             if self._overlaps(looked, moved, has_rewrite=False):
-                self._overlap(view, looked, trace)
+                self._overlap(view, looked, req)
                 encoded = looked.hits
             else:
-                encoded = await self.encoder.fan_out(view, looked, trace)
-            keyed = responses.pd_body(body, items, encoded.params)
-            return keyed, keyed, False
-        looked = await self.encoder.look(body, items, trace)
+                encoded = await self.encoder.fan_out(view, looked, req)
+            req.for_pd(responses.pd_body(body, items, encoded.params))
+            return
+        looked = await self.encoder.look(body, items, req)
         if self._overlaps(looked, items, has_rewrite=self.config.metadata_rewrite):
-            self._overlap(body, looked, trace)
-            first = pd_body(body, items, looked.hits.reported, looked.hits.params, False)[0]
-            return first, first, False
-        encoded = await self.encoder.fan_out(body, looked, trace)
+            self._overlap(body, looked, req)
+            req.for_pd(pd_body(body, items, looked.hits.reported, looked.hits.params, False)[0])
+            return
+        encoded = await self.encoder.fan_out(body, looked, req)
         first, is_rewritten = pd_body(body, items, encoded.reported, encoded.params,
                                       self.config.metadata_rewrite)
         if not is_rewritten:
-            return first, first, False
+            req.for_pd(first)
+            return
         # The fallback: the media themselves.
-        second = pd_body(body, items, encoded.reported, encoded.params, False)[0]
-        return first, second, True
+        media = pd_body(body, items, encoded.reported, encoded.params, False)[0]
+        req.for_pd(first, media, is_rewritten=True)
 
     def _overlaps(self, looked: Looked, items: list[MediaItem], *, has_rewrite: bool) -> bool:
         """Whether PD gets the request now, E's items marked pending, instead of after E.
@@ -79,9 +81,9 @@ class MediaStage:
         return not has_rewrite or all(it.modality in known.silent and it.modality not in
                                       known.reporting for it in items)
 
-    def _overlap(self, body: dict[str, Any], looked: Looked, trace: Trace) -> None:
+    def _overlap(self, body: dict[str, Any], looked: Looked, req: Request) -> None:
         """E beside PD: marks that go when no request relies on them any more (then PD
         encodes what it still lacks); one E for an item several such requests share."""
         assert self.overlap is not None
-        self.overlap.start(body, looked, trace)
+        self.overlap.start(body, looked, req)
         self.metrics.overlapped.inc()

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from epdctl.proxy.answer import Answer, StageFailed
+from epdctl.proxy.attempts import ATTEMPTS
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import ProxyError, bad_request
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.request import responses
+from epdctl.proxy.request.inflight import Request
 from epdctl.proxy.request.parse import CONTENT_FIELDS, RESPONSES, MediaItem
 from epdctl.proxy.request.shape import pd_body
 from epdctl.proxy.stages.encode import Encoded, Encoder
-from epdctl.proxy.stages.generate import ATTEMPTS, Answer, Generator, StageFailed, next_attempt
-from epdctl.proxy.trace import Trace
+from epdctl.proxy.stages.generate import Generator
 from epdctl.proxy.upstreams import Instance
 
 
@@ -54,8 +56,7 @@ class MooncakeRoute:
         self.generator = generator
         self.metrics = metrics
 
-    async def run(self, route: str, body: dict[str, Any], items: list[MediaItem],
-                  is_stream: bool, trace: Trace) -> Answer:
+    async def run(self, req: Request, items: list[MediaItem]) -> Answer:
         """Pick PD, encode for it, send; on a failure (but a timeout) do it all again
         elsewhere: the pushes may be what failed.
 
@@ -63,6 +64,7 @@ class MooncakeRoute:
         PD the input with each image's key and the transfer ids (vLLM 0.33 reads a
         Responses request's `ec_transfer_params`); nothing is rewritten to metadata there.
         """
+        route, body = req.route, req.body
         unkeyed = [n for n, it in enumerate(items) if it.uuid is None]
         if unkeyed:
             how = ("give it a `uuid`" if self.config.client_uuids
@@ -77,34 +79,34 @@ class MooncakeRoute:
         avoid: Instance | None = None
         for attempt in range(ATTEMPTS):
             inst = self.generator.decode_pool.pick(avoid)
-            encoded = await self._encode_for(inst, view, moved, trace)
+            encoded = await self._encode_for(inst, view, moved, req)
             if is_responses:
                 params = {**encoded.params, "ec_items": consumer_items(moved, encoded)}
                 first, is_rewritten = responses.pd_body(body, items, params), False
             else:
                 first, is_rewritten = consumer_body(body, items, encoded, should_rewrite)
             try:
-                return await self.generator.answer_from(inst, route, first,
-                                                        attempt + 1 < ATTEMPTS, is_stream, trace)
+                return await self.generator.answer_from(inst, req, first,
+                                                        attempt + 1 < ATTEMPTS)
             except StageFailed as failed:
-                next_attempt(failed, attempt, is_rewritten, trace, self.metrics, is_pushed=True)
+                req.attempts.retry(failed, attempt, is_rewritten=is_rewritten, is_pushed=True)
                 # The next attempt sends the media (pushed again, under fresh transfer ids).
                 should_rewrite = False
                 avoid = inst
         raise AssertionError("unreachable")
 
     async def _encode_for(self, inst: Instance, body: dict[str, Any], items: list[MediaItem],
-                          trace: Trace) -> Encoded:
+                          req: Request) -> Encoded:
         """E pushes every item to `inst`'s control socket; any failure fails the request."""
         # The request is PD's from now on (its pushes reserve PD memory): count it there.
         inst.outstanding += 1
         try:
             consumer = self.config.consumer_zmq(inst.url)
-            encoded = await self.encoder.run(body, items, trace, consumer)
+            encoded = await self.encoder.run(body, items, req, consumer)
         finally:
             inst.outstanding -= 1
         if encoded.problems:
-            trace.notes.append(f"encode_failed={len(encoded.problems)}")
+            req.trace.notes.append(f"encode_failed={len(encoded.problems)}")
             problem = next(iter(encoded.problems.values()))
             raise ProxyError(
                 502, f"the encoder could not encode {len(encoded.problems)} media item(s), "

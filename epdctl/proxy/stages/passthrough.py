@@ -13,11 +13,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from epdctl.proxy.answer import Answer, StageFailed
+from epdctl.proxy.attempts import ATTEMPTS, Attempts
 from epdctl.proxy.config import ProxyConfig
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.request.parse import header_id
-from epdctl.proxy.stages.generate import ATTEMPTS, Answer, StageFailed, next_attempt, relay
+from epdctl.proxy.stages.generate import relay
 from epdctl.proxy.trace import Trace
 from epdctl.proxy.transport import Reply, Upstream
 from epdctl.proxy.upstreams import Instance, Upstreams
@@ -59,20 +61,20 @@ class Passthrough:
         self.stage = config.final_role
         self.read_s = config.final_read_s
 
-    async def run(self, scope: Mapping[str, Any], raw: bytes, trace: Trace) -> Answer:
-        """The instance's answer; a second attempt elsewhere only if the first got none."""
+    async def run(self, scope: Mapping[str, Any], raw: bytes, attempts: Attempts) -> Answer:
+        """The instance's answer; another attempt elsewhere where the policy allows one
+        (only when the first instance did not answer at all)."""
+        trace = attempts.trace
         path = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
         target = (path + b"?" + query if query else path).decode("latin-1")
         headers = forwarded_headers(scope["headers"], trace.rid)
-        avoid: Instance | None = None
         for attempt in range(ATTEMPTS):
-            inst = self.pool.pick(avoid)
+            inst = self.pool.pick(attempts.avoid.get(self.stage))
             try:
                 return await self._once(inst, scope["method"], target, raw, headers, trace)
             except StageFailed as failed:
-                avoid = inst
-                next_attempt(failed, attempt, False, trace, self.metrics)
+                attempts.retry(failed, attempt)
         raise AssertionError("unreachable")
 
     async def _once(self, inst: Instance, method: str, target: str, raw: bytes,

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epdctl.cache.store import Store
+from epdctl.proxy.request.inflight import Request
 from epdctl.proxy.stages.encode import Encoder, Looked
-from epdctl.proxy.trace import Trace
 
 
 @dataclass
@@ -92,16 +92,17 @@ class Overlap:
         self.encode_timeout_s = encode_timeout_s
         self.tasks: set[asyncio.Task[None]] = set()  # kept referenced until done
 
-    def start(self, body: dict[str, Any], looked: Looked, trace: Trace) -> None:
+    def start(self, body: dict[str, Any], looked: Looked, req: Request) -> None:
         """Mark E's items pending and start E beside PD (trace.encoding: until it is over);
         an item another overlapped request already has E encode goes to no encoder."""
+        trace = req.trace
         claim = self.marks.claim(looked.unique, time.time() + self.encode_timeout_s)
         trace.notes.append("overlap=1")
         if len(claim.mine) < len(looked.unique):
             trace.notes.append(f"encode_shared={len(looked.unique) - len(claim.mine)}")
         mine = Looked(looked.hits, {k: looked.unique[k] for k in claim.mine}, looked.is_keyed,
                       looked.lookups, looked.skipped)
-        own = asyncio.ensure_future(self.encoder.fan_out(body, mine, trace))
+        own = asyncio.ensure_future(self.encoder.fan_out(body, mine, req))
         self.marks.fly(claim.mine, own)
         task = trace.encoding = asyncio.ensure_future(self._rely(own, claim))
         self.tasks.add(task)

@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epdctl.proxy import jsonio
+from epdctl.proxy.errors import ENGINE_DEAD
 from epdctl.proxy.request.parse import CHAT, COMPLETIONS
 from epdctl.proxy.sse import EVENT_END, event_data
 
-ENGINE_DEAD = b"EngineCore encountered an issue"
-"""vLLM's message when its engine died (EngineDeadError): the instance is going down."""
 _PENALTIES = ("presence_penalty", "frequency_penalty")
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "structured_outputs")

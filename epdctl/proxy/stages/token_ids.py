@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from epdctl.proxy import jsonio
 from epdctl.proxy.request.parse import CHAT
 from epdctl.proxy.sse import EVENT_END
 from epdctl.proxy.stages.resume import events
@@ -22,21 +21,14 @@ _IDS = re.compile(rb'"(prompt_)?token_ids":\s*\[([0-9,\s]*)\]')
 _IDS_ONLY = re.compile(rb'"delta":\s*\{\}')
 
 
-def asked(body: dict[str, Any] | bytes) -> tuple[dict[str, Any] | bytes, bool]:
-    """`body` asking for token ids, and whether that is the proxy's doing (not the
-    client's). A body as bytes stays bytes: the key goes in front."""
-    if isinstance(body, dict):
-        if body.get(KEY):
-            return body, False
-        return {**body, KEY: True}, True
-    if KEY.encode() in body:  # the client set it, true or false: as it says
-        try:
-            wants = jsonio.loads(body).get(KEY)
-        except (ValueError, AttributeError):
-            return body, False
-        if wants:
-            return body, False
-        return {**jsonio.loads(body), KEY: True}, True
+def asked(body: dict[str, Any] | bytes, as_dict: dict[str, Any]
+          ) -> tuple[dict[str, Any] | bytes, bool]:
+    """`body` (which says `as_dict`) asking for token ids, and whether that is the proxy's
+    doing (not the client's). A body as bytes stays bytes: the key goes in front."""
+    if as_dict.get(KEY):
+        return body, False
+    if isinstance(body, dict) or KEY in as_dict:  # the client said false: made true
+        return {**as_dict, KEY: True}, True
     start = body.find(b"{")
     if start < 0:
         return body, False
