@@ -3,7 +3,7 @@ image requests with store lookups (over stores of 0, 1 000 and 10 000 entries) v
 and, given its source, vLLM's example EPD proxy (the peer), side by side in one run.
 
     .venv/bin/python benchmarks/proxy.py [--delay-ms 1] [--seconds 3] [--levels 1,8,32,64]
-        [--no-store] [--peer PATH/disagg_epd_proxy.py]
+        [--no-store] [--peer PATH/disagg_epd_proxy.py] [--before CHECKOUT] [--repeat N]
 
 Starts a fake E + PD server (raw asyncio, one process, two ports) and proxies (`python -m
 epdctl.proxy`, each its own process) before the same fakes: three over an EC store
@@ -29,6 +29,13 @@ level, with / without), max_rps_stream, and image_rps_ratio_1k / image_rps_ratio
 image req/s with lookups over 1 000 / 10 000 entries, over none); with --peer also
 text_/stream_/image_rps_ratio_peer (epdctl's best req/s / the peer's) before the 10k ratio,
 which ends the line.
+--before: another epdctl checkout (`git worktree add /tmp/before <commit>`), whose proxy runs
+beside this one before the same fakes, as `python -m epdctl.proxy` from that tree, with and
+without a store: each path (text, stream, image without lookups, image with lookups) A B B A
+with this tree's, rotating. Prints a before/after table (best req/s, added p50 at the first
+level: the arm's p50 less direct text's) with a verdict per path, and adds
+<path>_rps_ratio_before and <path>_p50_added_ms_before (before's, after this tree's own
+<path>_p50_added_ms) to the key=value line, with before_verdict=ok|worse last.
 """
 
 from __future__ import annotations
@@ -235,13 +242,14 @@ def _wait_port(port: int, timeout_s: float = 20.0) -> None:
 
 
 def _start_proxy(port: int, e_port: int, pd_port: int, client: str,
-                 store: list[str]) -> subprocess.Popen:
+                 store: list[str], tree: Path = ROOT) -> subprocess.Popen:
+    """`python -m epdctl.proxy` from `tree` (its cwd comes first on sys.path)."""
     return subprocess.Popen(
         [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", "m",
          "--encode", f"http://127.0.0.1:{e_port}",
          "--prefill-decode", f"http://127.0.0.1:{pd_port}",
          "--max-inflight", "4096", "--client", client, *store],
-        cwd=ROOT, stderr=subprocess.DEVNULL)
+        cwd=tree, stderr=subprocess.DEVNULL)
 
 
 def _start_peer(path: str, port: int, e_port: int, pd_port: int) -> subprocess.Popen:
@@ -282,14 +290,15 @@ def _arms(level_index: int, proxies: dict[str, tuple[int, subprocess.Popen]],
     """One level's rows in order: (name, port, body, the proxy whose CPU is counted)."""
     port, plain = proxies["plain"]
     rows: list[Arm] = [("direct", pd_port, TEXT, None)]
-    if "peer" in proxies:
-        peer_port, peer = proxies["peer"]
-        rows += _alternated([("proxy", port, TEXT, plain), ("peer", peer_port, TEXT, peer)],
-                            level_index)
-        rows += _alternated([("proxy-stream", port, STREAM, plain),
-                             ("peer-stream", peer_port, STREAM, peer)], level_index)
-    else:
-        rows += [("proxy", port, TEXT, plain), ("proxy-stream", port, STREAM, plain)]
+    text: list[Arm] = [("proxy", port, TEXT, plain)]
+    stream: list[Arm] = [("proxy-stream", port, STREAM, plain)]
+    for other in ("peer", "before"):
+        if other in proxies:
+            other_port, proc = proxies[other]
+            text.append((other, other_port, TEXT, proc))
+            stream.append((f"{other}-stream", other_port, STREAM, proc))
+    for arms in (text, stream):
+        rows += _alternated(arms, level_index) if len(arms) > 1 else arms
     images: list[Arm]
     if "lookups" not in proxies:
         images = [("proxy-image", port, IMAGE, plain)]
@@ -298,8 +307,25 @@ def _arms(level_index: int, proxies: dict[str, tuple[int, subprocess.Popen]],
                   for arm in STORE_SIZES]
         images.insert(1, ("image-no-lookups", port, IMAGE, plain))
     if "peer" in proxies:
-        images.append(("peer-image", peer_port, IMAGE, peer))
+        images.append(("peer-image", proxies["peer"][0], IMAGE, proxies["peer"][1]))
+    if "before" in proxies:
+        images.append(("before-image-no-lookups", proxies["before"][0], IMAGE,
+                       proxies["before"][1]))
+        if "before-lookups" in proxies:
+            lookups_port, lookups = proxies["before-lookups"]
+            images.append(("before-image-lookups", lookups_port, IMAGE, lookups))
     return rows + (_alternated(images, level_index) if len(images) > 1 else images)
+
+
+BEFORE_PATHS = {"text": ("proxy", "before"), "stream": ("proxy-stream", "before-stream"),
+                "image": ("image-no-lookups", "before-image-no-lookups"),
+                "lookups": ("image-lookups", "before-image-lookups")}
+"""Each path's arm on this tree and on --before's."""
+RPS_NOISE = 0.95
+P50_NOISE_MS = 0.05
+"""A path is "worse" than before when its best req/s is under RPS_NOISE of before's, or its
+added p50 over before's by more than P50_NOISE_MS and 10 %: what two runs of one tree
+differ by on a 2-core machine."""
 
 
 def main() -> None:
@@ -313,6 +339,12 @@ def main() -> None:
     p.add_argument("--peer", metavar="PATH",
                    help="vLLM's examples/disaggregated/disaggregated_encoder/"
                         "disagg_epd_proxy.py, run beside epdctl's proxy")
+    p.add_argument("--before", metavar="CHECKOUT", type=Path,
+                   help="another epdctl checkout whose proxy runs beside this one: the "
+                        "before/after verdict per path")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="each level's alternation N times (each arm's figure at a level is "
+                        "then the mean of 2N runs)")
     p.add_argument("--fakes", nargs=3, type=float, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.fakes:
@@ -320,6 +352,8 @@ def main() -> None:
         return
     if a.peer and not os.path.isfile(a.peer):
         p.error(f"--peer: no file {a.peer}")
+    if a.before and not (a.before / "epdctl" / "proxy" / "__main__.py").is_file():
+        p.error(f"--before: no epdctl checkout at {a.before}")
     e_port, pd_port = free_port(), free_port()
     fakes = subprocess.Popen([sys.executable, __file__, "--fakes", str(e_port), str(pd_port),
                               str(a.delay_ms / 1000)])
@@ -334,13 +368,22 @@ def main() -> None:
         for arm, store in stores.items():
             port = free_port()
             proxies[arm] = (port, _start_proxy(port, e_port, pd_port, a.client, store))
+        if a.before:
+            befores: dict[str, list[str]] = {"before": []}
+            if a.has_store:
+                befores["before-lookups"] = _fill_store(store_dir, "before-0123456789ab", 0)
+            for arm, store in befores.items():
+                port = free_port()
+                proxies[arm] = (port, _start_proxy(port, e_port, pd_port, a.client, store,
+                                                   a.before.resolve()))
         if a.peer:
             port = free_port()
             proxies["peer"] = (port, _start_peer(a.peer, port, e_port, pd_port))
         for port in (e_port, pd_port, *(port for port, _ in proxies.values())):
             _wait_port(port)
         rows = []
-        for n, level in enumerate(int(x) for x in a.levels.split(",")):
+        levels = [int(x) for x in a.levels.split(",")]
+        for n, level in enumerate(lvl for lvl in levels for _ in range(a.repeat)):
             for name, port, body, proxy in _arms(n, proxies, pd_port):
                 cpu_before = _cpu_s(proxy.pid) if proxy else 0.0
                 result: dict = _run(_load(port, body, level, a.seconds))  # type: ignore
@@ -359,7 +402,12 @@ def main() -> None:
             proc.wait(10)
         fakes.wait(10)
         shutil.rmtree(store_dir, ignore_errors=True)
-    print(_summary(rows))
+    line = _summary(rows)
+    if a.before:
+        table, extra = _before_after(rows)
+        print(table)
+        line += extra
+    print(line)
 
 
 def _summary(rows: list[tuple[int, str, dict]]) -> str:
@@ -393,6 +441,35 @@ def _summary(rows: list[tuple[int, str, dict]]) -> str:
             f"max_rps_stream={best['proxy-stream']:.0f} "
             f"image_rps_ratio_1k={best['image-lookups-1k'] / none:.3f}{peer} "
             f"image_rps_ratio_10k={best['image-lookups-10k'] / none:.3f}")
+
+
+def _before_after(rows: list[tuple[int, str, dict]]) -> tuple[str, str]:
+    """The before/after table and its key=value additions: per path, best req/s and added
+    p50 at the first level, each arm's figure the mean of its runs at the level."""
+    first = rows[0][0]
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for lvl, name, res in rows:
+        runs.setdefault((lvl, name), []).append(res)
+    rps = {key: statistics.fmean(r["rps"] for r in results) for key, results in runs.items()}
+    best = {name: max(v for (_, n), v in rps.items() if n == name) for _, name in rps}
+    direct = statistics.fmean(r["p50_ms"] for r in runs[(first, "direct")])
+    lines = [f"{'path':<8} {'req/s after':>12} {'before':>8} {'ratio':>6}   "
+             f"{'added p50 after':>15} {'before':>7}   verdict"]
+    extra, is_worse = "", False
+    for path, (after, before) in BEFORE_PATHS.items():
+        if after not in best or before not in best:
+            continue
+        added = {arm: statistics.fmean(r["p50_ms"] for r in runs[(first, arm)]) - direct
+                 for arm in (after, before)}
+        ratio = best[after] / best[before]
+        worse = ratio < RPS_NOISE or (added[after] > added[before] * 1.1 + P50_NOISE_MS)
+        is_worse |= worse
+        lines.append(f"{path:<8} {best[after]:>12.0f} {best[before]:>8.0f} {ratio:>6.3f}   "
+                     f"{added[after]:>13.3f}ms {added[before]:>5.3f}ms   "
+                     f"{'worse' if worse else 'no worse'}")
+        extra += (f" {path}_rps_ratio_before={ratio:.3f} {path}_p50_added_ms={added[after]:.3f}"
+                  f" {path}_p50_added_ms_before={added[before]:.3f}")
+    return "\n".join(lines), extra + f" before_verdict={'worse' if is_worse else 'ok'}"
 
 
 if __name__ == "__main__":
