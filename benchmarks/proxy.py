@@ -35,7 +35,8 @@ without a store: each path (text, stream, image without lookups, image with look
 with this tree's, rotating. Prints a before/after table (best req/s, added p50 at the first
 level: the arm's p50 less direct text's) with a verdict per path, and adds
 <path>_rps_ratio_before and <path>_p50_added_ms_before (before's, after this tree's own
-<path>_p50_added_ms) to the key=value line, with before_verdict=ok|worse last.
+<path>_p50_added_ms) to the key=value line, with before_verdict=ok|worse last. The
+1 000 and 10 000 entry stores are left out of such a run (fewer proxies: less noise).
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ IMAGE = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content":
 PD_BODY = json.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
     {"index": 0, "message": {"role": "assistant", "content": "Hello there"},
      "finish_reason": "stop"}], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}).encode()
-# PD's stream as vLLM sends it: one chunk per event (role, two tokens, finish), then [DONE].
-_DELTAS = [{"role": "assistant", "content": ""}, {"content": "Hello"}, {"content": " there"}, {}]
+# PD's stream as vLLM sends it: one chunk per event (role, 14 tokens, finish: 16 chunks),
+# then [DONE]; each chunk its own write (TCP_NODELAY: a segment each, as tokens come).
+_WORDS = "Hello there , this is a stream of fourteen tokens from the fake epd".split()
+_DELTAS = [{"role": "assistant", "content": ""}, *({"content": f" {w}"} for w in _WORDS), {}]
 STREAM_EVENTS = [b"data: " + json.dumps({
     "id": "x", "object": "chat.completion.chunk", "model": "m", "choices": [
         {"index": 0, "delta": d, "finish_reason": "stop" if not d else None}]}).encode()
@@ -98,10 +101,12 @@ def _response(body: bytes) -> bytes:
     return head.encode() + b"\r\n\r\n" + body
 
 
-def _stream_response() -> bytes:
+def _stream_response() -> list[bytes]:
+    """The head, then each event as an HTTP chunk: one write each."""
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
-    chunks = b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in STREAM_EVENTS)
-    return head + b"\r\n\r\n" + chunks + b"0\r\n\r\n"
+    chunks = [f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in STREAM_EVENTS]
+    chunks[-1] += b"0\r\n\r\n"
+    return [head + b"\r\n\r\n" + chunks[0], *chunks[1:]]
 
 
 class _FakeServer(asyncio.Protocol):
@@ -132,7 +137,8 @@ class _FakeServer(asyncio.Protocol):
                 return
             body = self.buf[end + 4:end + 4 + length]
             self.buf = self.buf[end + 4 + length:]
-            answer = self.health if head.startswith(b"get /health") else self.answer
+            answer: bytes | list[bytes] | None = (
+                self.health if head.startswith(b"get /health") else self.answer)
             if answer is None:
                 at = UUID.search(body).end()  # type: ignore[union-attr]
                 answer = _response(E_HEAD + body[at:body.index(b'"', at)] + E_TAIL)
@@ -143,9 +149,11 @@ class _FakeServer(asyncio.Protocol):
             else:
                 self._write(answer)
 
-    def _write(self, answer: bytes) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(answer)  # type: ignore[attr-defined]
+    def _write(self, answer: bytes | list[bytes]) -> None:
+        for part in answer if isinstance(answer, list) else (answer,):
+            if self.transport.is_closing():
+                return
+            self.transport.write(part)  # type: ignore[attr-defined]
 
 
 async def _serve_fakes(e_port: int, pd_port: int, delay_s: float) -> None:
@@ -304,7 +312,7 @@ def _arms(level_index: int, proxies: dict[str, tuple[int, subprocess.Popen]],
         images = [("proxy-image", port, IMAGE, plain)]
     else:
         images = [(f"image-{arm}", proxies[arm][0], IMAGE, proxies[arm][1])
-                  for arm in STORE_SIZES]
+                  for arm in STORE_SIZES if arm in proxies]
         images.insert(1, ("image-no-lookups", port, IMAGE, plain))
     if "peer" in proxies:
         images.append(("peer-image", proxies["peer"][0], IMAGE, proxies["peer"][1]))
@@ -364,6 +372,8 @@ def main() -> None:
     try:
         if a.has_store:
             for n, (arm, entries) in enumerate(STORE_SIZES.items()):
+                if a.before and entries:
+                    continue  # a before/after run: fewer proxies, less noise
                 stores[arm] = _fill_store(store_dir, f"bench{n}-0123456789ab", entries)
         for arm, store in stores.items():
             port = free_port()
@@ -435,11 +445,13 @@ def _summary(rows: list[tuple[int, str, dict]]) -> str:
                f" max_rps_stream={best['proxy-stream']:.0f}{peer}"
     p50_ratio = by[(first, "image-lookups")]["p50_ms"] / by[(first, "image-no-lookups")]["p50_ms"]
     none = best["image-lookups"]
-    return (f"{line} max_rps_image={none:.0f} "
+    line = (f"{line} max_rps_image={none:.0f} "
             f"image_rps_ratio_lookups={none / best['image-no-lookups']:.3f} "
             f"image_p50_ratio_lookups={p50_ratio:.3f} "
-            f"max_rps_stream={best['proxy-stream']:.0f} "
-            f"image_rps_ratio_1k={best['image-lookups-1k'] / none:.3f}{peer} "
+            f"max_rps_stream={best['proxy-stream']:.0f}")
+    if "image-lookups-1k" not in best:  # a before/after run
+        return line + peer
+    return (f"{line} image_rps_ratio_1k={best['image-lookups-1k'] / none:.3f}{peer} "
             f"image_rps_ratio_10k={best['image-lookups-10k'] / none:.3f}")
 
 

@@ -60,14 +60,16 @@ def classify(event: bytes) -> tuple[str, dict[str, Any] | None]:
     return "wait", None
 
 
-def verdict(buf: bytes) -> tuple[str, dict[str, Any] | None]:
-    """Judge every complete event in what has arrived so far."""
-    events = EVENT_END.split(buf)
-    for event in events[:-1]:
-        kind, obj = classify(event)
+def verdict(buf: bytes, start: int = 0) -> tuple[str, dict[str, Any] | None, int]:
+    """Judge the complete events in what has arrived so far, from `start` (where the events
+    already judged "wait" end), stopping at the first that decides; with where the next
+    look begins."""
+    for end in EVENT_END.finditer(buf, start):
+        kind, obj = classify(buf[start:end.start()])
         if kind != "wait":
-            return kind, obj
-    return ("commit", None) if len(buf) > PEEK_LIMIT_BYTES else ("wait", None)
+            return kind, obj, start
+        start = end.end()
+    return ("commit", None, start) if len(buf) > PEEK_LIMIT_BYTES else ("wait", None, start)
 
 
 def error_status(obj: dict[str, Any]) -> int:

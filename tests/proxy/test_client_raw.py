@@ -136,6 +136,47 @@ async def test_a_chunked_stream_comes_through_in_order(rig):
     assert server.connections == 1  # a whole stream leaves the connection reusable
 
 
+async def test_events_that_came_together_are_relayed_in_one_piece(rig):
+    """Speed of bytes: a stream's events that arrived before the reader looked come out as
+    one piece (one write to the client), not one per HTTP chunk the instance wrote."""
+    server, upstream, base = rig
+    events = [b"data: %d\n\n" % n for n in range(16)] + [b"data: [DONE]\n\n"]
+    server.script.append(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n"
+                         + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+                         + b"0\r\n\r\n")
+    reply = await post(upstream, base)
+    await until(lambda: reply._is_complete, "the whole stream in")
+    assert [chunk async for chunk in reply.chunks()] == [b"".join(events)]
+    await reply.close()
+
+
+async def test_idle_bounds_every_later_wait_of_a_stream(rig):
+    """After `idle(s)` (a stream committed to the client), silence past s is a "timeout",
+    though the request's own read timeout is longer."""
+    server, upstream, base = rig
+    gone = asyncio.Event()
+
+    async def stall(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await gone.wait()
+
+    server.script.append(stall)
+    reply = await upstream.post(base, "/v1/chat/completions", b"{}", HEADERS, 30.0, "decode")
+    chunks = reply.chunks()
+    assert await anext(chunks) == b"first"
+    reply.idle(0.2)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(UpstreamError) as info:
+        await anext(chunks)
+    assert info.value.kind == "timeout"
+    assert asyncio.get_running_loop().time() - started < 5
+    gone.set()
+    await reply.close()
+
+
 async def test_an_answer_that_ends_with_its_connection_is_whole(rig):
     """HTTP/1.0 style (tests/fake_server.py streams so): no length, no chunks, then close."""
     server, upstream, base = rig

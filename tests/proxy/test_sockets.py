@@ -22,12 +22,13 @@ async def post(rig, name: str = "pd0", read_timeout_s: float = 5.0):
                                        "decode")
 
 
-async def test_a_streamed_answer_arrives_chunk_by_chunk(rig_factory):
+async def test_a_streamed_answer_arrives_whole_and_in_order(rig_factory):
     rig = rig_factory()
     rig.fakes.then("pd0", lambda seen: sse_response(*CHUNKS))
     reply = await post(rig)
     assert reply.status == 200 and reply.content_type == "text/event-stream"
-    assert [chunk async for chunk in reply.chunks()] == CHUNKS
+    pieces = [chunk async for chunk in reply.chunks()]
+    assert b"".join(pieces) == b"".join(CHUNKS) and all(pieces)
     await reply.close()
 
 

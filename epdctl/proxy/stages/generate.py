@@ -154,22 +154,20 @@ class Generator:
 
 async def relay(head: bytes, chunks: AsyncIterator[bytes], reply: Reply, inst: Instance,
                 trace: Trace, stage: str, idle_s: float) -> AsyncIterator[bytes]:
-    """A committed stream's raw bytes through, untouched (after `head`, already read); a
-    later stall or failure ends it with an error event. Releases the instance and the reply."""
+    """A committed stream's raw bytes through, untouched (after `head`, already read), as
+    they come; a later stall (`idle_s` without a byte: the transport's deadline) or failure
+    ends it with an error event. Releases the instance and the reply."""
+    reply.idle(idle_s)
     try:
         if head:
             yield head
-        while True:
-            try:
-                async with asyncio.timeout(idle_s):
-                    chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
+        async for chunk in chunks:
             yield chunk
-    except TimeoutError:
-        trace.notes.append("stream_idle_timeout=1")
-        yield error_event(f"{stage} instance {inst.url}: no data in {idle_s}s")
     except UpstreamError as exc:
+        if exc.kind == "timeout":
+            trace.notes.append("stream_idle_timeout=1")
+            yield error_event(f"{stage} instance {inst.url}: no data in {idle_s}s")
+            return
         trace.notes.append("stream_broken=1")
         if trace.is_resumable:
             raise  # replay.py goes on elsewhere
@@ -182,9 +180,10 @@ async def relay(head: bytes, chunks: AsyncIterator[bytes], reply: Reply, inst: I
 async def _peek(chunks: AsyncIterator[bytes]) -> tuple[bytes, dict[str, Any] | None]:
     """Read until the first content chunk, [DONE], an error event or the end of the stream."""
     buf = b""
+    judged = 0  # the events before it were judged "wait": never looked at again
     async for chunk in chunks:
         buf += chunk
-        kind, error = verdict(buf)
+        kind, error, judged = verdict(buf, judged)
         if kind == "error":
             return buf, error
         if kind == "commit":

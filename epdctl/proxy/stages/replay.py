@@ -21,7 +21,7 @@ from epdctl.proxy import jsonio
 from epdctl.proxy.answer import Answer, StageFailed
 from epdctl.proxy.attempts import MAX_REPLAYS, Attempts
 from epdctl.proxy.config import ProxyConfig
-from epdctl.proxy.errors import ENGINE_DEAD, UpstreamError
+from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.request.inflight import Body, Request
 from epdctl.proxy.request.parse import CHAT, COMPLETIONS
@@ -133,14 +133,18 @@ class Replayer:
                         whole = ids(whole)
                     if not whole:
                         continue
-                    if ENGINE_DEAD in whole and resume.is_dead_engine(whole):
+                    dead = resume.dead_engine_at(whole)  # the events before it still go
+                    if dead is not None:
+                        whole = whole[:dead]
+                    if whole:
+                        if fix is not None:
+                            whole = fix(whole)
+                        sent.append(whole)
+                        yield whole
+                    if dead is not None:
                         raise UpstreamError(self.generator.decode_stage,
                                             trace.instances.get(self.generator.decode_stage, ""),
                                             "broken", "the engine died")
-                    if fix is not None:
-                        whole = fix(whole)
-                    sent.append(whole)
-                    yield whole
                 if tail:
                     yield tail
                 return

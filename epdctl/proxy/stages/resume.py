@@ -63,6 +63,19 @@ def is_dead_engine(buf: bytes) -> bool:
         isinstance(e, dict) and "error" in e and "choices" not in e for e in events(buf))
 
 
+def dead_engine_at(buf: bytes) -> int | None:
+    """Where in `buf` (whole events) vLLM's own event for its dead engine begins, if one is
+    there: what comes before it reached the client's stream, the rest never does."""
+    if ENGINE_DEAD not in buf:
+        return None
+    start = 0
+    for end in EVENT_END.finditer(buf):
+        if is_dead_engine(buf[start:end.end()]):
+            return start
+        start = end.end()
+    return None
+
+
 def read_so_far(sent: bytes, route: str) -> SoFar:
     """What the client has, from the bytes it was sent."""
     so_far = SoFar()

@@ -7,6 +7,7 @@ both clients, against fake instances on local sockets (tests/proxy/sockets.py).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -53,12 +54,13 @@ def _error(exc: BaseException, stage: str, base: str, kind: str = "unavailable"
 class AiohttpReply:
     """aiohttp.ClientResponse behind the Reply interface, translating aiohttp's errors."""
 
-    __slots__ = ("_resp", "_stage", "_base", "status", "content_type")
+    __slots__ = ("_resp", "_stage", "_base", "_idle_s", "status", "content_type")
 
     def __init__(self, resp: aiohttp.ClientResponse, stage: str, base: str) -> None:
         self._resp = resp
         self._stage = stage
         self._base = base
+        self._idle_s: float | None = None
         self.status = resp.status
         self.content_type = resp.headers.get("Content-Type", "application/json")
 
@@ -72,11 +74,23 @@ class AiohttpReply:
             raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        body = self._resp.content.iter_any().__aiter__()
         try:
-            async for chunk in self._resp.content.iter_any():
+            while True:
+                try:
+                    if self._idle_s is None:
+                        chunk = await body.__anext__()
+                    else:
+                        async with asyncio.timeout(self._idle_s):
+                            chunk = await body.__anext__()
+                except StopAsyncIteration:
+                    return
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _error(exc, self._stage, self._base, "broken") from exc
+
+    def idle(self, seconds: float) -> None:
+        self._idle_s = seconds
 
     async def close(self) -> None:
         # An unfinished body means the client left or we gave up: drop the connection so

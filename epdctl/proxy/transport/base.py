@@ -4,9 +4,13 @@ to the instances, whichever implementation (`transport/*_impl.py`) is chosen.
 - `post` sends a sub-request and returns its Reply once the answer's head is in; `request`
   does the same for any method (passed-through routes); `fetch` gets a media URL whole,
   `probe` a health URL's verdict.
+- A Reply's `chunks` yields its body as it arrives: at each step everything that has
+  arrived, in one piece (a stream's events relayed at the speed of bytes, never one write
+  to the client per event the instance wrote when several came together).
 - Failures raise UpstreamError: "unavailable" when no answer began (refused, reset before
   any byte: retryable), "broken" when one began and was cut short, "timeout" when the
-  instance stayed silent past `read_timeout_s` (each wait for its next bytes).
+  instance stayed silent past `read_timeout_s` (each wait for its next bytes), or past
+  the bound a Reply's `idle(seconds)` set for every later wait (a committed stream).
 - Header values are ASCII (routing.header_id); an instance URL is http://host:port
   (config refuses https); a body is written as the instance takes it; an implementation
   bounds its connections to one instance and closes idle ones after keep-alive.
@@ -27,6 +31,7 @@ class Reply(Protocol):
     def header_list(self) -> list[tuple[bytes, bytes]]: ...
     async def read(self) -> bytes: ...
     def chunks(self) -> AsyncIterator[bytes]: ...
+    def idle(self, seconds: float) -> None: ...
     async def close(self) -> None: ...
 
 

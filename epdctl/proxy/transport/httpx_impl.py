@@ -3,6 +3,7 @@ every request (`--client httpx`)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 import httpx
@@ -22,12 +23,13 @@ _CLOSED = httpx.ByteStream(b"")
 class HttpxReply:
     """httpx.Response behind the Reply interface, translating httpx's errors."""
 
-    __slots__ = ("_resp", "_stage", "_base", "status", "content_type")
+    __slots__ = ("_resp", "_stage", "_base", "_idle_s", "status", "content_type")
 
     def __init__(self, resp: httpx.Response, stage: str, base: str) -> None:
         self._resp = resp
         self._stage = stage
         self._base = base
+        self._idle_s: float | None = None
         self.status = resp.status_code
         self.content_type = resp.headers.get("content-type", "application/json")
 
@@ -41,11 +43,26 @@ class HttpxReply:
             raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        body = self._resp.aiter_raw().__aiter__()
         try:
-            async for chunk in self._resp.aiter_raw():
+            while True:
+                try:
+                    if self._idle_s is None:
+                        chunk = await body.__anext__()
+                    else:
+                        async with asyncio.timeout(self._idle_s):
+                            chunk = await body.__anext__()
+                except StopAsyncIteration:
+                    return
                 yield chunk
         except httpx.TransportError as exc:
             raise _error(exc, self._stage, self._base, "broken") from exc
+        except TimeoutError:
+            raise UpstreamError(self._stage, self._base, "timeout",
+                                f"no byte from the instance in {self._idle_s:g}s") from None
+
+    def idle(self, seconds: float) -> None:
+        self._idle_s = seconds
 
     async def close(self) -> None:
         await self._resp.aclose()

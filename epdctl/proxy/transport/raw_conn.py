@@ -185,7 +185,10 @@ class RawReply:
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         self._deadline = loop.time() + self._read_s
-        if self._timer is None:
+        timer = self._timer
+        if timer is None or timer.when() > self._deadline:  # none, or set for a longer bound
+            if timer is not None:
+                timer.cancel()
             self._timer = loop.call_at(self._deadline, self._look)
         await waiter
 
@@ -228,19 +231,23 @@ class RawReply:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it comes; what the reader has not taken stays under PAUSE_BYTES
-        (plus one read of the socket)."""
+        """The body as it comes, all that has come at each step in one piece; what the
+        reader has not taken stays under PAUSE_BYTES (plus one read of the socket)."""
         self._is_streamed = True
         while True:
             if self._chunks:
-                for chunk in self._take():
-                    yield chunk
+                chunks = self._take()
+                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
             elif self._is_complete:
                 return
             elif self._error is not None:
                 raise self._broken()
             else:
                 await self._wait()
+
+    def idle(self, seconds: float) -> None:
+        """Every later wait for bytes bounded by `seconds` (the same one timer, re-armed)."""
+        self._read_s = seconds
 
     async def close(self) -> None:
         if self._timer is not None:
