@@ -11,24 +11,27 @@ epdctl.proxy`, each its own process) before the same fakes: three over an EC sto
 the E stage (and index their store in a thread every second), and one without a store (no
 lookups). Then it drives them with a closed-loop raw asyncio HTTP/1.1 load generator at
 several concurrency levels: text straight to PD (direct) and through the proxy without
-lookups (proxy), streamed text through it (proxy-stream), and image requests on every proxy
-in the order A B C D D C B A (which arm comes first rotating from level to level; an arm's
-figure at a level is the mean of its two runs). Every image request carries an image of its
-own, so every lookup misses: the image arms measure the cost of the look, and of the store's
-size, when nothing repeats.
+lookups (proxy), streamed text through it (proxy-stream: 16 events, each its own write), and
+image requests on every proxy in the order A B C D D C B A (which arm comes first rotating
+from level to level; an arm's figure at a level is the mean of its two runs). Every image
+request carries an image of its own, so every lookup misses: the image arms measure the cost
+of the look, and of the store's size, when nothing repeats.
 --no-store: the proxy without lookups alone (for proxies without them).
---peer: vLLM's `examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py` (from a
-vLLM checkout; the wheels do not ship examples), run as shipped (`--prefill-servers-urls
-none`: E+PD) before the same fakes; its text, stream and image arms each A B B A with
-epdctl's (proxy, proxy-stream, image-lookups: the look on, as `epdctl up` runs it).
+--peer: vLLM's `examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py`, the
+newest from vLLM 0.34.0's source archive (`vllm-0.34.0.tar.gz` on PyPI; the wheels do not
+ship examples) or a vLLM checkout; it imports msgspec, fastapi and uvloop (vLLM's own
+dependencies). Run as shipped (`--prefill-servers-urls none`: E+PD) before the same fakes;
+its text, stream and image arms each A B B A with epdctl's (proxy, proxy-stream,
+image-lookups: the look on, as `epdctl up` runs it).
 
 Prints added latency p50/p99 (text, the first level), the best requests/s and each proxy's CPU
 per request, ending with one key=value line; with the store arms, image_rps_ratio_lookups
 (best image req/s with lookups / without), image_p50_ratio_lookups (image p50 at the first
 level, with / without), max_rps_stream, and image_rps_ratio_1k / image_rps_ratio_10k (best
 image req/s with lookups over 1 000 / 10 000 entries, over none); with --peer also
-text_/stream_/image_rps_ratio_peer (epdctl's best req/s / the peer's) before the 10k ratio,
-which ends the line.
+text_/stream_/image_cpu_ratio_peer (epdctl's proxy CPU per request / the peer's, at the last
+level: where the proxies are the bottleneck) and text_/stream_/image_rps_ratio_peer
+(epdctl's best req/s / the peer's) before the 10k ratio, which ends the line.
 --before: another epdctl checkout (`git worktree add /tmp/before <commit>`), whose proxy runs
 beside this one before the same fakes, as `python -m epdctl.proxy` from that tree, with and
 without a store: each path (text, stream, image without lookups, image with lookups) A B B A
@@ -400,6 +403,7 @@ def main() -> None:
                 # Proxy CPU per request (warm-up included): robust on a busy machine.
                 cpu_us = (_cpu_s(proxy.pid) - cpu_before) * 1e6 / max(result["n"], 1) \
                     if proxy else 0.0
+                result["cpu_us"] = cpu_us
                 rows.append((level, name, result))
                 print(f"c={level:<4} {name:<17} rps={result['rps']:8.0f} "
                       f"p50={result['p50_ms']:7.2f}ms p99={result['p99_ms']:7.2f}ms"
@@ -437,7 +441,13 @@ def _summary(rows: list[tuple[int, str, dict]]) -> str:
     peer = ""
     if "peer" in best:
         image = "image-lookups" if "image-lookups" in best else "proxy-image"
-        peer = (f" text_rps_ratio_peer={best['proxy'] / best['peer']:.3f}"
+        last = rows[-1][0]
+        cpu = {name: statistics.fmean(r["cpu_us"] for r in results)
+               for (lvl, name), results in runs.items() if lvl == last}
+        peer = (f" text_cpu_ratio_peer={cpu['proxy'] / cpu['peer']:.3f}"
+                f" stream_cpu_ratio_peer={cpu['proxy-stream'] / cpu['peer-stream']:.3f}"
+                f" image_cpu_ratio_peer={cpu[image] / cpu['peer-image']:.3f}"
+                f" text_rps_ratio_peer={best['proxy'] / best['peer']:.3f}"
                 f" stream_rps_ratio_peer={best['proxy-stream'] / best['peer-stream']:.3f}"
                 f" image_rps_ratio_peer={best[image] / best['peer-image']:.3f}")
     if "proxy-image" in best:
