@@ -1,5 +1,6 @@
-"""Figures with a known error: point estimates over rounds and bootstrap intervals (pure
-Python, stdlib `random`: no numpy for a few hundred samples x 2000 resamples).
+"""Figures with a known error: point estimates over rounds and bootstrap intervals (the
+replicates drawn and computed with numpy, all of them at once: `figures` defines one, and a
+test holds every replicate to it).
 
 Over requests (R < 3 rounds): each round's requests are resampled within that round.
 Over rounds (R >= 3): rounds are resampled, then the requests within each drawn round, so a
@@ -14,10 +15,11 @@ times the resample's share of good requests.
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from epdctl.bench.samples import Request, Round
 
@@ -69,13 +71,129 @@ def figures(parts: Sequence[tuple[Round, Sequence[Request]]], has_slo: bool
     return out
 
 
-def resample(rounds: Sequence[Round], rng: random.Random, has_slo: bool,
-             over_rounds: bool = False) -> dict[str, float | None]:
-    """One bootstrap replicate: the requests within each round (and the rounds themselves
-    where `over_rounds`)."""
-    chosen = [rng.choice(rounds) for _ in rounds] if over_rounds else rounds
-    return figures([(r, rng.choices(r.requests, k=len(r.requests)) if r.requests else ())
-                    for r in chosen], has_slo)
+Draws = list[tuple[np.ndarray, list[np.ndarray]]]
+"""A bootstrap's draws, one entry per round position: which round each replicate drew there
+(an index into the rounds), and for each round the indices of its requests drawn, one row
+per replicate that drew it (in the order of those replicates)."""
+
+
+def draw(rounds: Sequence[Round], rng: np.random.Generator, resamples: int,
+         over_rounds: bool = False) -> Draws:
+    """`resamples` bootstrap replicates: the requests within each round (and the rounds
+    themselves where `over_rounds`), as indices."""
+    count = len(rounds)
+    out: Draws = []
+    for position in range(count):
+        chosen = rng.integers(0, count, resamples) if over_rounds \
+            else np.full(resamples, position)
+        rows = []
+        for number, r in enumerate(rounds):
+            drew = int(np.count_nonzero(chosen == number))
+            size = len(r.requests)
+            rows.append(rng.integers(0, size, (drew, size), dtype=np.int32) if drew and size
+                        else np.zeros((drew, 0), dtype=np.int32))
+        out.append((chosen, rows))
+    return out
+
+
+def replicate_figures(rounds: Sequence[Round], draws: Draws, resamples: int, has_slo: bool
+                      ) -> dict[str, np.ndarray]:
+    """`figures` of every replicate at once (NaN where it gives None)."""
+    columns = [_columns(r) for r in rounds]
+    has_tpot = [int(np.count_nonzero(~np.isnan(c[2]))) for c in columns]
+    rates = np.full((resamples, len(draws)), np.nan)
+    goodputs = np.full((resamples, len(draws)), np.nan)
+    sizes = np.array([len(r.requests) for r in rounds], dtype=np.int64)
+    # Each request's TTFT by its rank among every round's: a replicate's pooled TTFTs are
+    # then counts per rank, and a percentile's order statistic a search in their running sum.
+    ttfts = np.concatenate([c[1] for c in columns]) if columns else np.empty(0)
+    order = np.argsort(ttfts, kind="stable")
+    rank = np.empty(len(ttfts), dtype=np.int64)
+    rank[order] = np.arange(len(ttfts))
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    picked: list[np.ndarray] = []  # replicate * len(ttfts) + rank, for every request drawn
+    filled = np.zeros(resamples, dtype=np.int64)
+    tpot_sum, tpot_n = np.zeros(resamples), np.zeros(resamples)
+    for position, (chosen, by_round) in enumerate(draws):
+        for number, idx in enumerate(by_round):
+            if not idx.size:
+                continue
+            rows = np.flatnonzero(chosen == number)
+            r, (latency, _, tpot, good) = rounds[number], columns[number]
+            mean = latency[idx].mean(axis=1)
+            scale = np.divide(r.mean_latency_ms, mean, out=np.ones_like(mean), where=mean != 0)
+            rate = r.request_throughput * scale
+            rates[rows, position] = rate
+            if has_slo:
+                goodputs[rows, position] = rate * good[idx].mean(axis=1)
+            ranks = rank[starts[number]:starts[number + 1]]
+            picked.append(((rows * len(ttfts))[:, None] + ranks[idx]).ravel())
+            filled[rows] += idx.shape[1]
+            if has_tpot[number] == idx.shape[1]:  # every request has one: no mask
+                tpot_sum[rows] += tpot[idx].sum(axis=1)
+                tpot_n[rows] += idx.shape[1]
+            elif has_tpot[number]:
+                drawn_tpot = tpot[idx]
+                valid = ~np.isnan(drawn_tpot)
+                tpot_sum[rows] += np.where(valid, drawn_tpot, 0.0).sum(axis=1)
+                tpot_n[rows] += valid.sum(axis=1)
+    out: dict[str, np.ndarray] = {}
+    has_any = filled > 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["request_throughput"] = _mean_of_drawn(rates, has_any)
+        out["request_goodput"] = _mean_of_drawn(goodputs, has_any) if has_slo \
+            else np.full(resamples, np.nan)
+        out.update(_percentiles(ttfts[order], picked, filled))
+        out["tpot_mean_ms"] = np.where(tpot_n > 0, tpot_sum / np.maximum(tpot_n, 1), np.nan)
+    return out
+
+
+def _columns(r: Round) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A round's requests as arrays: latency, TTFT, TPOT (NaN: none) and good (0 or 1)."""
+    reqs = r.requests
+    return (np.array([q.latency_ms for q in reqs], dtype=float),
+            np.array([q.ttft_ms for q in reqs], dtype=float),
+            np.array([np.nan if q.tpot_ms is None else q.tpot_ms for q in reqs], dtype=float),
+            np.array([q.good for q in reqs], dtype=float))
+
+
+def _mean_of_drawn(values: np.ndarray, has_any: np.ndarray) -> np.ndarray:
+    """The mean over the round positions that drew requests (NaN: a round with none)."""
+    drawn = ~np.isnan(values)
+    total = np.where(drawn, values, 0.0).sum(axis=1)
+    return np.where(has_any, total / np.maximum(drawn.sum(axis=1), 1), np.nan)
+
+
+def _percentiles(ordered: np.ndarray, picked: list[np.ndarray], filled: np.ndarray
+                 ) -> dict[str, np.ndarray]:
+    """PERCENTILES of each replicate's pooled values, as `percentile` takes them: `ordered`
+    every value sorted, `picked` the (replicate, rank) of each value drawn, flattened,
+    `filled` how many each replicate drew."""
+    resamples, size = len(filled), len(ordered)
+    out = {name: np.full(resamples, np.nan) for name in PERCENTILES}
+    if not size or not picked:
+        return out
+    counts = np.bincount(np.concatenate(picked), minlength=resamples * size)
+    running = counts.reshape(resamples, size).cumsum(axis=1)
+    # Rows one after another in one increasing array: a row's running sum never passes
+    # its `filled`, so row b lives in [b * stride, b * stride + stride).
+    stride = int(filled.max()) + 1
+    shift = np.arange(resamples, dtype=np.int64) * stride
+    flat = (running + shift[:, None]).ravel()
+    base = np.arange(resamples, dtype=np.int64) * size
+
+    def order_statistic(k: np.ndarray) -> np.ndarray:
+        """The (k+1)-th smallest value of each row (k from 0)."""
+        at = np.searchsorted(flat, k + shift, side="right") - base
+        return ordered[np.clip(at, 0, size - 1)]
+
+    for name, q in PERCENTILES.items():
+        rank = (filled - 1) * q / 100.0
+        low = np.clip(np.floor(rank).astype(np.int64), 0, None)
+        high = np.minimum(low + 1, np.maximum(filled - 1, 0))
+        below, above = order_statistic(low), order_statistic(high)
+        out[name] = np.where(filled > 0, below + (above - below) * (rank - low), np.nan)
+    return out
 
 
 def t_cdf(t: float, df: int) -> float:
@@ -165,17 +283,19 @@ def summarize(rounds: Sequence[Round], has_slo: bool, seed: int,
         unsupported["request_goodput"] = "-"
     # The expansion's sample size: the fewest requests one round resamples from.
     unit = min((len(r.requests) for r in rounds), default=0)
-    rng = random.Random(seed)
-    draws = [resample(rounds, rng, has_slo) for _ in range(resamples)] if n else []
-    over = [resample(rounds, rng, has_slo, True) for _ in range(resamples)] \
+    rng = np.random.default_rng(seed)
+    empty: dict[str, np.ndarray] = {name: np.empty(0) for name in FIGURES}
+    draws = replicate_figures(rounds, draw(rounds, rng, resamples), resamples, has_slo) \
+        if n else empty
+    over = replicate_figures(rounds, draw(rounds, rng, resamples, True), resamples, has_slo) \
         if n and len(rounds) >= OVER_ROUNDS else draws
     replicates: dict[str, list[float]] = {}
     ci: dict[str, tuple[float, float] | None] = {}
     for name in FIGURES:
-        values = [v for d in draws if (v := d[name]) is not None]
+        values = draws[name][~np.isnan(draws[name])].tolist()
         shown = name not in unsupported and estimate[name] is not None and values
         replicates[name] = values if shown else []
-        spread = [v for d in over if (v := d[name]) is not None]
+        spread = over[name][~np.isnan(over[name])].tolist()
         ci[name] = interval(spread, LEVEL, unit) if shown and spread else None
         if not shown:
             estimate[name] = None

@@ -73,8 +73,11 @@ def between(summaries: Sequence[tuple[str, Summary]], name: str) -> Between:
     """From (arm, summary) pairs (each arm at each load point once), over the cells with two
     starts or more: the variance of a cell's starts' log estimates less what its bootstrap
     says one start's sampling alone gives, averaged with weights (k - 1) / that sampling
-    variance (DerSimonian-Laird's moment estimator: a cell of few requests, whose rounds
-    scatter by sampling alone, says little about the rest), never below 0. Its degrees of
+    variance (a weighted method-of-moments estimate of the between-start variance, in the
+    spirit of DerSimonian-Laird's but not their estimator: theirs weights each study by its
+    inverse variance and corrects by the weights' spread; here a cell of few requests,
+    whose rounds scatter by sampling alone, simply says little about the rest), never
+    below 0. Its degrees of
     freedom are counted per arm, not per cell: an arm's load points share its starts, so
     their deviations are not independent."""
     excess = weights = 0.0
