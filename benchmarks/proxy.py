@@ -424,12 +424,18 @@ def main() -> None:
     print(line)
 
 
-def _summary(rows: list[tuple[int, str, dict]]) -> str:
-    """The key=value line: text overhead at the first level, best req/s, the ratios."""
-    first = rows[0][0]
+def _runs(rows: list[tuple[int, str, dict]]) -> dict[tuple[int, str], list[dict]]:
+    """Each (level, arm)'s runs, in order."""
     runs: dict[tuple[int, str], list[dict]] = {}
     for lvl, name, res in rows:
         runs.setdefault((lvl, name), []).append(res)
+    return runs
+
+
+def _summary(rows: list[tuple[int, str, dict]]) -> str:
+    """The key=value line: text overhead at the first level, best req/s, the ratios."""
+    first = rows[0][0]
+    runs = _runs(rows)
     by = {key: {k: statistics.fmean(r[k] for r in results) for k in ("rps", "p50_ms", "p99_ms")}
           for key, results in runs.items()}
     best = {name: max(res["rps"] for (_, n), res in by.items() if n == name)
@@ -469,9 +475,7 @@ def _before_after(rows: list[tuple[int, str, dict]]) -> tuple[str, str]:
     """The before/after table and its key=value additions: per path, best req/s and added
     p50 at the first level, each arm's figure the mean of its runs at the level."""
     first = rows[0][0]
-    runs: dict[tuple[int, str], list[dict]] = {}
-    for lvl, name, res in rows:
-        runs.setdefault((lvl, name), []).append(res)
+    runs = _runs(rows)
     rps = {key: statistics.fmean(r["rps"] for r in results) for key, results in runs.items()}
     best = {name: max(v for (_, n), v in rps.items() if n == name) for _, name in rps}
     direct = statistics.fmean(r["p50_ms"] for r in runs[(first, "direct")])

@@ -57,7 +57,7 @@ class Replayer:
                 req.first = token_ids.asked(req.first, req.dict_of(req.first))[0]
                 req.fallback, is_ours = token_ids.asked(req.fallback, as_dict)
                 ids = token_ids.TokenIds(req.route, is_ours)
-                resumable = {**as_dict, token_ids.KEY: True} if is_ours else as_dict
+                resumable = token_ids.asking(as_dict) if is_ours else as_dict
         try:
             answer = await self.generator.run(req)
         except StageFailed as failed:

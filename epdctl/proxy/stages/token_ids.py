@@ -21,6 +21,11 @@ _IDS = re.compile(rb'"(prompt_)?token_ids":\s*\[([0-9,\s]*)\]')
 _IDS_ONLY = re.compile(rb'"delta":\s*\{\}')
 
 
+def asking(as_dict: dict[str, Any]) -> dict[str, Any]:
+    """`as_dict` asking for token ids."""
+    return {**as_dict, KEY: True}
+
+
 def asked(body: dict[str, Any] | bytes, as_dict: dict[str, Any]
           ) -> tuple[dict[str, Any] | bytes, bool]:
     """`body` (which says `as_dict`) asking for token ids, and whether that is the proxy's
@@ -28,7 +33,7 @@ def asked(body: dict[str, Any] | bytes, as_dict: dict[str, Any]
     if as_dict.get(KEY):
         return body, False
     if isinstance(body, dict) or KEY in as_dict:  # the client said false: made true
-        return {**as_dict, KEY: True}, True
+        return asking(as_dict), True
     start = body.find(b"{")
     if start < 0:
         return body, False

@@ -7,14 +7,13 @@ both clients, against fake instances on local sockets (tests/proxy/sockets.py).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
 
 from epdctl.proxy.errors import UpstreamError
-from epdctl.proxy.transport.base import with_key
+from epdctl.proxy.transport.base import with_key, within
 
 
 class Response(aiohttp.ClientResponse):
@@ -74,17 +73,8 @@ class AiohttpReply:
             raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        body = self._resp.content.iter_any().__aiter__()
         try:
-            while True:
-                try:
-                    if self._idle_s is None:
-                        chunk = await body.__anext__()
-                    else:
-                        async with asyncio.timeout(self._idle_s):
-                            chunk = await body.__anext__()
-                except StopAsyncIteration:
-                    return
+            async for chunk in within(self._resp.content.iter_any(), lambda: self._idle_s):
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _error(exc, self._stage, self._base, "broken") from exc

@@ -18,7 +18,8 @@ to the instances, whichever implementation (`transport/*_impl.py`) is chosen.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
 
@@ -52,3 +53,21 @@ class Upstream(Protocol):
 def with_key(headers: Mapping[str, str], auth: str | None) -> Mapping[str, str]:
     """A sub-request's headers plus the instances' `authorization`, when they require one."""
     return headers if auth is None else {**headers, "authorization": auth}
+
+
+async def within(body: AsyncIterator[bytes], bound: Callable[[], float | None]
+                 ) -> AsyncIterator[bytes]:
+    """`body`'s chunks, each wait bounded by `bound()` seconds where it gives a bound (a
+    Reply's `idle`, read anew for every wait): TimeoutError past it."""
+    chunks = body.__aiter__()
+    while True:
+        seconds = bound()
+        try:
+            if seconds is None:
+                chunk = await chunks.__anext__()
+            else:
+                async with asyncio.timeout(seconds):
+                    chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            return
+        yield chunk

@@ -3,13 +3,12 @@ every request (`--client httpx`)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 import httpx
 
 from epdctl.proxy.errors import UpstreamError
-from epdctl.proxy.transport.base import with_key
+from epdctl.proxy.transport.base import with_key, within
 
 
 def _error(exc: Exception, stage: str, base: str, kind: str = "unavailable") -> UpstreamError:
@@ -43,17 +42,8 @@ class HttpxReply:
             raise _error(exc, self._stage, self._base, "broken") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        body = self._resp.aiter_raw().__aiter__()
         try:
-            while True:
-                try:
-                    if self._idle_s is None:
-                        chunk = await body.__anext__()
-                    else:
-                        async with asyncio.timeout(self._idle_s):
-                            chunk = await body.__anext__()
-                except StopAsyncIteration:
-                    return
+            async for chunk in within(self._resp.aiter_raw(), lambda: self._idle_s):
                 yield chunk
         except httpx.TransportError as exc:
             raise _error(exc, self._stage, self._base, "broken") from exc
