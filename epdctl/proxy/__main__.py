@@ -53,7 +53,9 @@ async def serve(config: ProxyConfig) -> list[int]:
         # "auto": httptools when installed (a dependency), else uvicorn's pure-Python h11.
         server = Server(uvicorn.Config(
             app, host=config.host, port=config.port, http="auto", lifespan="off",
-            access_log=False, log_level="warning", timeout_keep_alive=30, backlog=4096))
+            access_log=False, log_level="warning", timeout_keep_alive=30, backlog=4096,
+            # Nothing reads the client's address or scheme: no X-Forwarded-* rewrite.
+            proxy_headers=False))
         health = asyncio.create_task(app.state.proxy.run_health_checks())
         log.info("proxy on http://%s:%d mode=%s encode=%s prefill_decode=%s prefill=%s "
                  "decode=%s rewrite=%s ec=%s skip_cached=%s overlap=%s auth=%s client=%s",

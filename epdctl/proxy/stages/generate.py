@@ -3,7 +3,6 @@ peek at streams before they are committed, relay them."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +11,7 @@ from epdctl.proxy import jsonio
 from epdctl.proxy.answer import Answer, StageFailed
 from epdctl.proxy.attempts import ATTEMPTS
 from epdctl.proxy.config import ProxyConfig
+from epdctl.proxy.deadlines import deadline
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.request.inflight import Body, Request
@@ -80,7 +80,7 @@ class Generator:
         started = time.perf_counter()
         inst.outstanding += 1
         try:
-            async with asyncio.timeout(timeout_s):
+            with deadline(timeout_s):
                 reply = await self.client.post(inst.url, route, dumps(prefill_body(body, route)),
                                                headers, timeout_s, "prefill")
                 try:
@@ -121,7 +121,7 @@ class Generator:
         is_handed_off = False
         inst.outstanding += 1
         try:
-            async with asyncio.timeout(timeout_s):
+            with deadline(timeout_s):
                 reply = await self.client.post(inst.url, route, payload, headers,
                                                self.decode_read_s, stage)
                 if reply.status != 200 or not req.is_stream:
