@@ -50,9 +50,8 @@ async def serve(config: ProxyConfig) -> list[int]:
     lines = LineWriter()
     async with upstream_client(config) as client:
         app = create_app(config, client, lines)
-        # "auto": httptools when installed (a dependency), else uvicorn's pure-Python h11.
         server = Server(uvicorn.Config(
-            app, host=config.host, port=config.port, http="auto", lifespan="off",
+            app, host=config.host, port=config.port, http=http_protocol(), lifespan="off",
             access_log=False, log_level="warning", timeout_keep_alive=30, backlog=4096,
             # Nothing reads the client's address or scheme: no X-Forwarded-* rewrite.
             proxy_headers=False))
@@ -91,6 +90,16 @@ def upstream_client(config: ProxyConfig) -> Any:
     from epdctl.proxy.transport.aiohttp_impl import session
 
     return session(config.connect_timeout_s, config.decode_timeout_s, KEEPALIVE_EXPIRY_S)
+
+
+def http_protocol() -> Any:
+    """uvicorn's httptools protocol with an answer's writes combined (server/writes.py), when
+    httptools is installed (a dependency where it builds); else "auto": uvicorn's h11."""
+    try:
+        from epdctl.proxy.server.writes import Protocol
+    except ImportError:
+        return "auto"
+    return Protocol
 
 
 def main(argv: Sequence[str] | None = None) -> None:
