@@ -91,12 +91,20 @@ _wheels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Wheel] = \
     weakref.WeakKeyDictionary()
 
 
+_last: Wheel | None = None  # the proxy has one loop: its wheel without a look-up
+
+
 def wheel(loop: asyncio.AbstractEventLoop | None = None) -> Wheel:
     """The running (or given) loop's wheel."""
+    global _last
     loop = loop or asyncio.get_running_loop()
+    last = _last
+    if last is not None and last._loop is loop:
+        return last
     found = _wheels.get(loop)
     if found is None:
         found = _wheels[loop] = Wheel(loop)
+    _last = found
     return found
 
 

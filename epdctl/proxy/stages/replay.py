@@ -100,7 +100,8 @@ class Replayer:
         pool = self.upstreams.pools[stage]
         deadline = time.monotonic() + self.config.replay_wait_s
         while True:
-            ready = [i for i in pool.instances if not i.is_ejected and not attempts.is_dead(i)]
+            ready = [i for i in pool.instances
+                     if not i.is_ejected and not i.is_draining and not attempts.is_dead(i)]
             if ready:
                 return min(ready, key=lambda i: i.outstanding)
             left = deadline - time.monotonic()
