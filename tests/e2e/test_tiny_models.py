@@ -80,7 +80,7 @@ def margins(server: Server, urls: list[str], max_tokens: int = 48) -> list[float
 
 
 def test_greedy_choices_are_decisive(server: Server) -> None:
-    """Every greedy choice leads by far more than float noise (tiny_models._decisive): the
+    """Every greedy choice leads by far more than float noise (_weights.make_decisive): the
     tests that compare answers across batch shapes, instances and resumed streams rely on
     it. The first two tokens are the input's choice, the rest follow the chain."""
     context, rest = [], []
