@@ -4,13 +4,18 @@ have passed (the proxy's side: epdctl/proxy/server/admin.py)."""
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from epdctl.state import RunState, process_matches
 
+DRAIN_S = 30.0
+"""How long `down` (and Ctrl+C on a foreground `up`) lets the requests in flight finish."""
 GRACE_S = 10.0
 """Seconds the proxy gets to answer past a drain's own (a loaded machine)."""
+POLL_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -25,11 +30,38 @@ class Drained:
         return f"Drained {what}: {self.finished} request(s) finished{cut}."
 
 
-def drain_proxy(state: RunState, seconds: float) -> Drained | None:
+def drain_proxy(state: RunState, seconds: float, grace_s: float = GRACE_S) -> Drained | None:
     """The whole proxy: it admits nothing new (a 503 with Retry-After) and answers what it
-    has. None where no proxy of the run answered (not running)."""
-    reply = _post(state, "/epdctl/drain", {"seconds": seconds}, seconds + GRACE_S)
+    has, once nothing is in flight or after `seconds` (0: at once, the count so far). None
+    where no proxy of the run answered (not running)."""
+    reply = _post(state, "/epdctl/drain", {"seconds": seconds}, seconds + grace_s)
     return None if reply is None else Drained(reply["finished"], reply["in_flight"])
+
+
+class Drain:
+    """The supervisor's drain on Ctrl+C: the proxy told once, then asked each tick how many
+    are left, never waited on (the loop goes on watching the instances meanwhile)."""
+
+    def __init__(self, state: RunState, seconds: float) -> None:
+        self._state = state
+        self._until = time.monotonic() + seconds
+        first = drain_proxy(state, 0, POLL_TIMEOUT_S)
+        self._before = self._left = first.in_flight if first is not None else 0
+        self._is_over = not self._left
+        if not self._is_over:
+            print(f"epdctl: draining: {self._left} request(s) in flight finish first (up to "
+                  f"{seconds:g}s); Ctrl+C again stops at once", file=sys.stderr, flush=True)
+
+    def is_over(self) -> bool:
+        if self._is_over:
+            return True
+        polled = drain_proxy(self._state, 0, POLL_TIMEOUT_S)
+        self._left = polled.in_flight if polled is not None else self._left
+        if polled is None or not self._left or time.monotonic() >= self._until:
+            self._is_over = True
+            done = Drained(max(self._before - self._left, 0), self._left)
+            print(f"epdctl: {done.line(self._state.name)}", file=sys.stderr, flush=True)
+        return self._is_over
 
 
 def drain_instance(state: RunState, url: str, seconds: float) -> Drained | None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from epdctl import ipc
+from epdctl import ipc, restart_one
+from epdctl.drain import DRAIN_S, Drain
 from epdctl.errors import EpdctlError, InstanceDiedError, StartupError
 from epdctl.launcher import (
     STOP_TIMEOUT_S,
@@ -44,6 +45,8 @@ class _Slot:
     proc: Proc | None = None
     restart_at: float | None = None
     probed_at: float = 0.0
+    is_asked: bool = False
+    """Restarted because `epdctl restart` asked: not counted as a restart after a failure."""
 
 
 class Supervisor:
@@ -66,6 +69,7 @@ class Supervisor:
         self.signals: list[int] = []
         self._janitor_at = 0.0
         self._janitor_error = ""  # said once, not every pass
+        self._drain: Drain | None = None
         # When each log line was written, for `epdctl logs` (engines write their logs directly).
         self._stamper = Stamper([*(s.spec.log_path for s in self.slots),
                                  sdir.logs_dir / "supervisor.log"])
@@ -110,10 +114,11 @@ class Supervisor:
     def _loop(self) -> int:
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if self.signals:
+            if self.signals and not self._is_draining():
                 self.stop()
                 return EXIT_SIGINT if self.signals[0] == signal.SIGINT else EXIT_SIGTERM
             self._check_exits()
+            self._restart_requested()
             self._start_due()
             self._probe()
             self._stamper.tick()
@@ -131,6 +136,33 @@ class Supervisor:
             else:
                 self._janitor()
             time.sleep(TICK_S)
+
+    def _is_draining(self) -> bool:
+        """Ctrl+C while serving: the proxy's requests in flight finish first (up to
+        DRAIN_S), while everything else goes on; a second Ctrl+C, SIGTERM, or the drain's
+        end: no longer (then the loop stops everything)."""
+        if self.signals != [signal.SIGINT] or self.state.phase != "running":
+            return False
+        if self._drain is None:
+            self._drain = Drain(self.state, DRAIN_S)
+        return not self._drain.is_over()
+
+    def _restart_requested(self) -> None:
+        """`epdctl restart NAME`: stop its group and start it again at once (no backoff,
+        nothing spent of its restart budget)."""
+        for name in restart_one.take(self.sdir.path):
+            slot = next((s for s in self.slots if s.spec.name == name), None)
+            if slot is None or slot.spec.is_proxy or self.state.phase != "running":
+                continue
+            print(f"epdctl: restarting `{name}` (asked for)", file=sys.stderr, flush=True)
+            if slot.proc is not None:
+                stop_all([slot.proc], self.stop_timeout_s)
+                slot.proc = None
+            record = self.state.records[name]
+            release(record.shm_files)
+            ipc.remove(ipc.ours(slot.spec.env, self.sdir.path, name))
+            record.state, slot.restart_at, slot.is_asked = "backoff", time.monotonic(), True
+            self._save()
 
     def _state(self, slot: _Slot) -> str:
         record = self.state.records.get(slot.spec.name)
@@ -183,8 +215,9 @@ class Supervisor:
             needs = engines if slot.spec.is_proxy else set(slot.spec.start_after)
             if not needs <= ready:
                 continue
-            restarts = record.restarts + 1 if record else 0
+            restarts = record.restarts + (not slot.is_asked) if record else 0
             slot.proc, slot.restart_at = spawn(slot.spec, self.sdir.path), None
+            slot.is_asked = False
             self.state.records[slot.spec.name] = Record(
                 name=slot.spec.name, pid=slot.proc.pid, pgid=slot.proc.pgid,
                 create_time=slot.proc.create_time, started_at=time.time(), restarts=restarts,

@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING
 import click
 
 from epdctl.cli._app import App, pass_app
+from epdctl.drain import DRAIN_S
 from epdctl.launcher import STOP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from epdctl.state import RunState
-
-DRAIN_S = 30.0
 
 
 @click.command()
@@ -78,5 +77,5 @@ def _drain(app: App, state: RunState, seconds: float) -> None:
     with app.err.status(f"Draining {state.name}: the requests in flight finish "
                         f"(up to {seconds:g}s)..."):
         drained = drain_proxy(state, seconds)
-    if drained is not None:
+    if drained is not None and (drained.finished or drained.in_flight):
         app.err.print(drained.line(state.name), markup=False)
