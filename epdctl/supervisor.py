@@ -96,8 +96,11 @@ class Supervisor:
         self.state.phase = "stopping"
         self._save()
         procs = [s.proc for s in reversed(self.slots) if s.proc is not None]
-        # A second Ctrl+C (or SIGTERM after one) skips the grace period.
-        result = stop_all(procs, self.stop_timeout_s, should_force=lambda: len(self.signals) > 1)
+        # One more Ctrl+C (or SIGTERM) than made it stop skips the grace period: the second
+        # (the third where the first drained).
+        patience = 2 if self._drain is not None else 1
+        result = stop_all(procs, self.stop_timeout_s,
+                          should_force=lambda: len(self.signals) > patience)
         self._stamper.tick(force=True)  # the lines written while stopping
         self.state.killed = result.killed
         for record in self.state.records.values():

@@ -32,7 +32,8 @@ def _foreground(app: App, run: Run, timeout_s: float) -> int:
     def ready(state: RunState) -> None:
         progress.close()
         app.out.print(summary(state))
-        app.err.print("Ctrl+C stops everything.", markup=False)
+        app.err.print("Ctrl+C drains (the requests in flight finish), then stops everything; "
+                      "twice stops at once.", markup=False)
 
     try:
         return start_foreground(run, timeout_s, on_change=progress.update, on_ready=ready)
