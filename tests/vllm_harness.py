@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from epdctl import ipc
-from epdctl.plan import CPU_IN_PROCESS_WORKER
-from epdctl.shm import mapped_files, release
+from epdctl.host import ipc
+from epdctl.host.shm import mapped_files, release
+from epdctl.launch.plan import CPU_IN_PROCESS_WORKER
 
 if TYPE_CHECKING:
     from openai import OpenAI

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from epdctl import private
 from epdctl.cache import _recycle, make_store_dir
 from epdctl.cache._format import (
     ENTRY_SUFFIX,
@@ -28,6 +27,7 @@ from epdctl.cache._format import (
 from epdctl.cache._maps import MAPPINGS
 from epdctl.cache._prefault import Premapper, Stocker
 from epdctl.errors import CacheError
+from epdctl.host import private
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

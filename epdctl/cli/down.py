@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from epdctl.cli._app import App, pass_app
-from epdctl.launcher import STOP_TIMEOUT_S
+from epdctl.launch.processes import STOP_TIMEOUT_S
 
 
 @click.command()
@@ -25,7 +25,7 @@ def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
          should_keep_cache: bool) -> None:
     """Stop a running topology and remove its state"""
     from epdctl.errors import NotRunningError, StateError
-    from epdctl.run import find, stop
+    from epdctl.launch.run import find, stop
 
     sdir = find(app.state_root, name)
     try:

@@ -11,7 +11,7 @@ import click
 
 from epdctl.cli._app import App, pass_app
 from epdctl.cli._options import point_seconds_option
-from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 from epdctl.tune.decide import MAX_CONFIRM
 from epdctl.tune.search import KNEE_FACTORS, KNEE_STEP, KNEE_STEPS
 
@@ -84,7 +84,7 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     from epdctl.bench.workload import LoadPoint, Workload, parse_image_size, parse_slo
     from epdctl.cli._tune_render import hints, left_out, text_table, write_out
     from epdctl.errors import BenchError
-    from epdctl.topology import load_topology, parse_duration
+    from epdctl.topology.model import load_topology, parse_duration
     from epdctl.tune import live
     from epdctl.tune.candidates import request_tokens
     from epdctl.tune.facts import model_facts
@@ -110,7 +110,7 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     facts = model_facts(base.model, facts_file)
     memory = None
     if base.device == "cuda":
-        from epdctl.gpus import describe_gpus
+        from epdctl.host.gpus import describe_gpus
 
         memory = min((g.total_bytes for g in describe_gpus() if g.total_bytes), default=None)
     out = (out_dir or app.state_root / "tune" / base.name).absolute()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from epdctl import verify as core
+from epdctl.verifier import probes as core
 
 pytestmark = pytest.mark.timeout(120)
 OOT = "tests.ec_recording:RecordingECConnector"

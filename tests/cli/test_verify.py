@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from epdctl import verify as core
-from epdctl.baseline import baseline_spec
-from epdctl.plan import LaunchSpec
+from epdctl.launch.plan import LaunchSpec
+from epdctl.verifier import probes as core
+from epdctl.verifier.baseline import baseline_spec
 from tests.conftest import is_running, run_pids
 
 pytestmark = pytest.mark.timeout(60)
@@ -316,7 +316,7 @@ def test_cuda_needs_a_baseline(epdctl, tmp_path, state_root) -> None:
 
 def test_a_running_topology_that_is_not_ready_is_refused(epdctl, fake_topology, state_root,
                                                          monkeypatch) -> None:
-    from epdctl import readiness
+    from epdctl.launch import readiness
 
     topo = fake_topology()
     assert epdctl("up", str(topo), "-d", "--timeout", "20").exit_code == 0
