@@ -10,8 +10,8 @@ from pathlib import Path
 from epdctl.doctor import Check, Completed, run_checks
 from epdctl.launch.preflight import check_ec_connector, ec_module, probe_environment, run_command
 from tests.doctor.fakes import gpu, topology
-from tests.doctor.test_vllm import PY, _report
 from tests.doctor.test_run_checks import ALL, _probes, _runner
+from tests.doctor.test_vllm import PY, _report
 
 OOT = "my_pkg.ec:MyConnector"
 
