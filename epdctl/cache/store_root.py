@@ -7,7 +7,7 @@ a run's store is.
   0700), said in one warning. The
   plan puts the root into every engine's EC config and the proxy's argv, and state.json
   records it (`store_dir`), so every later command finds it. A `cache.dir` the user set is
-  never swapped: `up` refuses it with the fix instead (run._claim).
+  never swapped: `up` refuses it with the fix instead (launch.run._claim).
 - the namespace record (`<state dir>/namespaces.json`): every (root, namespace) the runs of
   this topology used. The janitor removes an earlier namespace only if it is recorded here.
 - store_safety: where a run's store is and whether it is private (`status`, `doctor`).

@@ -9,11 +9,12 @@ import pytest
 
 from epdctl.launch.plan import LaunchSpec
 from epdctl.verifier import probes as core
+from epdctl.verifier import prompts
 from epdctl.verifier.baseline import baseline_spec
 from tests.conftest import is_running, run_pids
 
 pytestmark = pytest.mark.timeout(60)
-NAMES = [p.name for p in core.prompts_for({"image"})]  # the fake topology: images only
+NAMES = [p.name for p in prompts.prompts_for({"image"})]  # the fake topology: images only
 
 
 def answer(text: str | None, error: str | None = None) -> core.ChatAnswer:
@@ -57,22 +58,22 @@ def test_prompts_cover_the_cases_and_their_images_differ() -> None:
     assert len(images["same image twice"]) == 2 and len(set(images["same image twice"])) == 1
     assert images["repeated image"] == images["one image"]
     assert any(p.is_streamed for p in core.PROMPTS)
-    pngs = {core.png(seed) for p in core.PROMPTS for seed in p.images}
+    pngs = {prompts.png(seed) for p in core.PROMPTS for seed in p.images}
     assert len(pngs) == len({seed for p in core.PROMPTS for seed in p.images})
     assert all(png.startswith(b"\x89PNG\r\n\x1a\n") for png in pngs)
 
 
 def test_prompts_cover_every_modality_and_only_the_ones_taken() -> None:
-    assert core.taken_modalities(["--limit-mm-per-prompt", '{"image": 2, "video": 1}']) == {
+    assert prompts.taken_modalities(["--limit-mm-per-prompt", '{"image": 2, "video": 1}']) == {
         "image", "video"}
-    assert core.taken_modalities(["--limit-mm-per-prompt", '{"audio": 2, "image": 0}']) == {
+    assert prompts.taken_modalities(["--limit-mm-per-prompt", '{"audio": 2, "image": 0}']) == {
         "audio"}
-    assert core.taken_modalities([]) == {"image"}
+    assert prompts.taken_modalities([]) == {"image"}
     for taken in ({"image"}, {"image", "video"}, {"audio"}):
-        chosen = core.prompts_for(taken)
+        chosen = prompts.prompts_for(taken)
         assert {m for p in chosen for m in p.modalities} == taken
         assert chosen[0].name == "text only"
-    every = core.prompts_for({"image", "video", "audio"})
+    every = prompts.prompts_for({"image", "video", "audio"})
     assert every == core.PROMPTS
     assert any(len(p.modalities) == 2 for p in every)  # an image with a video
 
@@ -92,7 +93,7 @@ def test_media_keys_are_the_keys_the_proxy_gives() -> None:
         assert [i.modality for i in items] == (
             ["image"] * len(prompt.images) + ["video"] * len(prompt.videos)
             + ["audio"] * len(prompt.audios))
-    assert core.wav(1) != core.wav(2) and core.wav(1).startswith(b"RIFF")
+    assert prompts.wav(1) != prompts.wav(2) and prompts.wav(1).startswith(b"RIFF")
     assert core.media_keys(core.PROMPTS[6]) != core.media_keys(core.PROMPTS[7])
 
 
