@@ -141,7 +141,7 @@ def state_root(tmp_path: Path) -> Iterator[Path]:
     root = tmp_path / "state"
     root.mkdir()
     yield root
-    from epdctl.launcher import scan_marked, stop_all
+    from epdctl.launch.processes import scan_marked, stop_all
 
     for run_dir in root.iterdir():
         leftovers = scan_marked(run_dir)
@@ -153,7 +153,7 @@ def state_root(tmp_path: Path) -> Iterator[Path]:
 def remove_ipc_dirs(run_dir: Path) -> None:
     """The engines' IPC directories of a run a test did not `down` (outside the state dir,
     in the temp dir, where its path is too long for a socket's)."""
-    from epdctl import ipc
+    from epdctl.host import ipc
 
     ipc.remove_all(run_dir)
 
@@ -211,7 +211,7 @@ def is_running(pid: int) -> bool:
 
 def run_pids(state_root: Path, name: str = "fake") -> dict[str, int]:
     """Recorded pids (supervisor included) of a run, from state.json or last-run.json."""
-    from epdctl.state import RunState
+    from epdctl.launch.state import RunState
 
     run_dir = state_root / name
     path = run_dir / "state.json"

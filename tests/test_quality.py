@@ -31,7 +31,7 @@ def test_mypy_is_clean() -> None:
 
 def test_cli_and_proxy_import_no_vllm_or_torch() -> None:
     code = (
-        "import sys, epdctl.cli, epdctl.proxy.server.app, epdctl.plan, epdctl.render.k8s, "
+        "import sys, epdctl.cli, epdctl.proxy.server.app, epdctl.launch.plan, epdctl.render.k8s, "
         "epdctl.doctor\n"
         "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
     )

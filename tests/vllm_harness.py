@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from epdctl import ipc
-from epdctl.plan import CPU_IN_PROCESS_WORKER
-from epdctl.shm import mapped_files, release
+from epdctl.host import ipc
+from epdctl.host.shm import mapped_files, release
+from epdctl.launch.plan import CPU_IN_PROCESS_WORKER
 
 if TYPE_CHECKING:
     from openai import OpenAI
@@ -208,7 +208,7 @@ def start_vllm(
     ipc_dir = None
     if "VLLM_RPC_BASE_PATH" not in full_env:  # vLLM's sockets would stay in /tmp
         ipc_dir = Path(tempfile.mkdtemp(prefix="epdctl-test-ipc-"))  # 0700, a short path
-        # Its temp files too (vllm_dist_*), as epdctl's plan does (epdctl/ipc.py).
+        # Its temp files too (vllm_dist_*), as epdctl's plan does (epdctl/host/ipc.py).
         full_env.update({ipc.RPC_ENV: str(ipc_dir), "TMPDIR": str(ipc_dir),
                          "TORCHINDUCTOR_CACHE_DIR": ipc.inductor_cache_dir()})
     with open(log_path, "ab") as log:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from epdctl import private
 from epdctl.cache import _recycle, make_store_dir
 from epdctl.cache._format import (
     ENTRY_SUFFIX,
@@ -30,6 +29,7 @@ from epdctl.cache._payload import map_entry as map_entry
 from epdctl.cache._payload import read_into as read_into
 from epdctl.cache._prefault import Premapper, Stocker
 from epdctl.errors import CacheError
+from epdctl.host import private
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 import click
 
 from epdctl.cli._app import App, pass_app
-from epdctl.drain import DRAIN_S
-from epdctl.launcher import STOP_TIMEOUT_S
+from epdctl.launch.drain import DRAIN_S
+from epdctl.launch.processes import STOP_TIMEOUT_S
 
 if TYPE_CHECKING:
-    from epdctl.state import RunState
+    from epdctl.launch.state import RunState
 
 
 @click.command()
@@ -36,7 +36,7 @@ def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
          should_keep_cache: bool, drain_s: float) -> None:
     """Stop a running topology and remove its state (after a drain: see --drain)"""
     from epdctl.errors import NotRunningError, StateError
-    from epdctl.run import find, stop
+    from epdctl.launch.run import find, stop
 
     sdir = find(app.state_root, name)
     try:
@@ -72,7 +72,7 @@ def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
 
 def _drain(app: App, state: RunState, seconds: float) -> None:
     """The proxy's requests in flight answered before the stop (nothing where it is gone)."""
-    from epdctl.drain import drain_proxy
+    from epdctl.launch.drain import drain_proxy
 
     with app.err.status(f"Draining {state.name}: the requests in flight finish "
                         f"(up to {seconds:g}s)..."):

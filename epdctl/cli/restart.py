@@ -8,8 +8,8 @@ import time
 import click
 
 from epdctl.cli._app import App, pass_app
-from epdctl.drain import DRAIN_S
-from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.launch.drain import DRAIN_S
+from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 
 
 @click.command()
@@ -36,9 +36,9 @@ def restart(app: App, names: tuple[str, ...], topology: str | None, drain_s: flo
     starts it (not a crash: no backoff, no restart budget spent), and once it is ready the
     proxy sends it requests again.
     """
-    from epdctl.drain import admit_instance, drain_instance
-    from epdctl.restart_one import check_names, request, wait_restarted
-    from epdctl.run import find
+    from epdctl.launch.drain import admit_instance, drain_instance
+    from epdctl.launch.restart_one import check_names, request, wait_restarted
+    from epdctl.launch.run import find
 
     sdir = find(app.state_root, topology)
     state = sdir.read()

@@ -23,7 +23,7 @@ REFRESH_S = 1.0
 @pass_app
 def top(app: App, name: str | None, is_once: bool, as_json: bool, interval_s: float) -> None:
     """Watch requests, queues, latencies and the encoder cache live"""
-    from epdctl.state import find_state_dir
+    from epdctl.launch.state import find_state_dir
     from epdctl.top import sample, summary, view
 
     sdir = find_state_dir(app.state_root, name)

@@ -11,12 +11,12 @@ import click
 
 from epdctl.cli._app import App, pass_app
 from epdctl.cli._options import point_seconds_option
-from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 from epdctl.tune.decide import MAX_CONFIRM
 from epdctl.tune.search import KNEE_FACTORS, KNEE_STEP, KNEE_STEPS
 
 if TYPE_CHECKING:
-    from epdctl.topology import Topology
+    from epdctl.topology.model import Topology
     from epdctl.tune.runner import Settings
 
 
@@ -86,7 +86,7 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
          **opts: Any) -> None:
     """Recommend a topology for a workload and an SLO: profile, predict, confirm with bench"""
     from epdctl.cli._tune_render import write_out
-    from epdctl.topology import load_topology
+    from epdctl.topology.model import load_topology
     from epdctl.tune import live
     from epdctl.tune.candidates import request_tokens
     from epdctl.tune.probes import Bodies
@@ -131,7 +131,7 @@ def _settings(app: App, base: Topology, gpus: str | None, slo: str, budget: str,
     """The options as the tune loop's settings (--out defaults to <state>/tune/<name>)."""
     from epdctl.bench.workload import LoadPoint, Workload, parse_image_size, parse_slo
     from epdctl.errors import BenchError
-    from epdctl.topology import parse_duration
+    from epdctl.topology.model import parse_duration
     from epdctl.tune.facts import model_facts
     from epdctl.tune.model import Slo
     from epdctl.tune.runner import Settings
@@ -152,7 +152,7 @@ def _settings(app: App, base: Topology, gpus: str | None, slo: str, budget: str,
     facts = model_facts(base.model, facts_file)
     memory = None
     if base.device == "cuda":
-        from epdctl.gpus import describe_gpus
+        from epdctl.host.gpus import describe_gpus
 
         memory = min((g.total_bytes for g in describe_gpus() if g.total_bytes), default=None)
     out = (out_dir or app.state_root / "tune" / base.name).absolute()

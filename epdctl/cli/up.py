@@ -12,12 +12,12 @@ from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
 from epdctl.cli.views import Progress, summary
-from epdctl.interrupts import unwinding
-from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.host.interrupts import unwinding
+from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
-    from epdctl.run import Run
-    from epdctl.state import RunState
+    from epdctl.launch.run import Run
+    from epdctl.launch.state import RunState
 
 
 def _warn(app: App) -> Callable[[str], None]:
@@ -25,7 +25,7 @@ def _warn(app: App) -> Callable[[str], None]:
 
 
 def _foreground(app: App, run: Run, timeout_s: float) -> int:
-    from epdctl.run import start_foreground
+    from epdctl.launch.run import start_foreground
 
     progress = Progress(app)
 
@@ -43,7 +43,7 @@ def _foreground(app: App, run: Run, timeout_s: float) -> int:
 
 @unwinding()  # SIGTERM and SIGHUP too abandon the start, as Ctrl+C does
 def _detached(app: App, run: Run, timeout_s: float) -> None:
-    from epdctl.run import start_detached
+    from epdctl.launch.run import start_detached
 
     progress = Progress(app)
     try:
@@ -68,7 +68,7 @@ def _detached(app: App, run: Run, timeout_s: float) -> None:
 def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
        is_dry_run: bool) -> None:
     """Start a topology and wait until every instance is ready"""
-    from epdctl.run import prepare
+    from epdctl.launch.run import prepare
 
     run = prepare(topology_path, app.state_root, is_dry_run=is_dry_run, warn=_warn(app))
     if is_dry_run:

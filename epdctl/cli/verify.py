@@ -11,21 +11,21 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from epdctl.cli._app import App, pass_app
-from epdctl.interrupts import unwinding
-from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.host.interrupts import unwinding
+from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
-    from epdctl.launcher import Proc
-    from epdctl.spec import LaunchSpec
-    from epdctl.state import RunState, StateDir
-    from epdctl.topology import Topology
-    from epdctl.verify import Probe, Result, Target
+    from epdctl.launch.processes import Proc
+    from epdctl.launch.spec import LaunchSpec
+    from epdctl.launch.state import RunState, StateDir
+    from epdctl.topology.model import Topology
+    from epdctl.verifier.probes import Probe, Result, Target
 
 
 def _specs(app: App, topology_path: Path, topology: Topology, sdir: StateDir
            ) -> list[LaunchSpec]:
     """The running (else the planned) instances: the baseline mirrors the PD/prefill one."""
-    from epdctl.run import prepare
+    from epdctl.launch.run import prepare
 
     if sdir.is_running():
         return [s.spec() for s in sdir.read().specs]
@@ -35,7 +35,7 @@ def _specs(app: App, topology_path: Path, topology: Topology, sdir: StateDir
 def _up(app: App, topology_path: Path, topology: Topology, timeout_s: float) -> RunState:
     """Start the topology detached; progress and summary on stderr (stdout is the report's)."""
     from epdctl.cli.views import Progress, summary
-    from epdctl.run import prepare, start_detached
+    from epdctl.launch.run import prepare, start_detached
 
     run = prepare(topology_path, app.state_root, topology=topology)
     progress = Progress(app)
@@ -48,7 +48,7 @@ def _up(app: App, topology_path: Path, topology: Topology, timeout_s: float) -> 
 
 
 def _stop_topology(app: App, sdir: StateDir) -> None:
-    from epdctl.run import stop
+    from epdctl.launch.run import stop
 
     state = sdir.read()
     app.err.print(f"Stopping {state.name} (verify started it; --keep leaves it running)",
@@ -74,11 +74,11 @@ def _stop_topology(app: App, sdir: StateDir) -> None:
 def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | None,
            baseline_gpus: str | None, should_keep: bool, timeout_s: float) -> None:
     """Check a topology's answers against an aggregated baseline, with EC cache hits"""
-    from epdctl import baseline as base
-    from epdctl.run import require_ready
-    from epdctl.state import StateDir
-    from epdctl.topology import load_topology, require_local_model
-    from epdctl.verify import report
+    from epdctl.launch.run import require_ready
+    from epdctl.launch.state import StateDir
+    from epdctl.topology.model import load_topology, require_local_model
+    from epdctl.verifier import baseline as base
+    from epdctl.verifier.probes import report
 
     topology = load_topology(topology_path)
     require_local_model(topology)
@@ -129,9 +129,9 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
 
 def _targets(state: RunState, baseline_url: str, model: str | None) -> tuple[Target, Target]:
     """The topology's proxy (with its API key) and the baseline, each with its model."""
-    from epdctl import baseline as base
     from epdctl.cli.views import proxy_url
-    from epdctl.verify import Target
+    from epdctl.verifier import baseline as base
+    from epdctl.verifier.probes import Target
 
     key = state.proxy_api_key
     mine = Target(proxy_url(state), state.model_name,
@@ -143,7 +143,8 @@ def _targets(state: RunState, baseline_url: str, model: str | None) -> tuple[Tar
 def _run_prompts(app: App, topology: Topology, state: RunState, mine: Target, theirs: Target
                  ) -> tuple[Probe | None, list[Result]]:
     """Send the prompts to both, one line on stderr each; the EC probe that watched them."""
-    from epdctl.verify import probe_for, prompts_for, run_prompts, taken_modalities
+    from epdctl.verifier.probes import probe_for, run_prompts
+    from epdctl.verifier.prompts import prompts_for, taken_modalities
 
     probe = probe_for(state.ec_connector, Path(state.store_dir)) \
         if "encode" in topology.roles else None
@@ -183,7 +184,7 @@ def _finish(app: App, doc: dict[str, Any], results: Sequence[Result], check: str
 
 def _cache_check(probe: Probe | None, has_encoder: bool) -> str | None:
     """What verify checked of the EC transfer: `store` counters, `files`, or `none`."""
-    from epdctl.verify import FileProbe, StoreProbe
+    from epdctl.verifier.probes import FileProbe, StoreProbe
 
     if not has_encoder:
         return None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
-from epdctl.state import RunState
+from epdctl.launch.state import RunState
 from epdctl.units import format_bytes
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""python -m epdctl.proxy: the proxy as its own process (argv built by epdctl.plan)."""
+"""python -m epdctl.proxy: the proxy as its own process (argv built by epdctl.launch.plan)."""
 
 from __future__ import annotations
 

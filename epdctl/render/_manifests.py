@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from epdctl.engines.guard import KEY_ENV
-from epdctl.keys import has_api_key
 from epdctl.proxy.config import API_KEY_ENV, UPSTREAM_KEY_ENV
-from epdctl.topology import Topology
+from epdctl.topology.keys import has_api_key
+from epdctl.topology.model import Topology
 
 HTTP_PORT = 8000
 NIXL_PORT = 5600

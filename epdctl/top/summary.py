@@ -14,7 +14,7 @@ from epdctl.top.prom import Histogram, Scrape
 from epdctl.top.sample import Sample
 
 if TYPE_CHECKING:
-    from epdctl.state import RunState
+    from epdctl.launch.state import RunState
 
 RATE_WINDOW_S = 5.0
 LATENCY_WINDOW_S = 60.0

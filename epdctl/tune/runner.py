@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from epdctl.bench.samples import Round
 from epdctl.bench.workload import Workload
 from epdctl.errors import BenchError
-from epdctl.topology import Topology
+from epdctl.topology.model import Topology
 from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
 from epdctl.tune.decide import (
     MAX_CONFIRM,

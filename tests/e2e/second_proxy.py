@@ -21,7 +21,7 @@ from tests.vllm_harness import free_port
 def second_proxy(run: TopologyRun, flags: Sequence[str]) -> Iterator[str]:
     """The run's proxy as planned, plus `flags`, on a free port; its URL. Its log is
     logs/second-proxy.log in the run's state dir."""
-    from epdctl.launcher import probe
+    from epdctl.launch.processes import probe
 
     spec = run.state().proxy.spec()
     port = free_port()

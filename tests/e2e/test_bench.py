@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epdctl.bench.stats import FIGURES as WITH_INTERVALS
+from epdctl.bench.estimates import FIGURES as WITH_INTERVALS
 from tests.e2e.topology_run import cli_env, release_new_semaphores, store_files, write_topology
 from tests.vllm_harness import copy_topology
 

@@ -63,7 +63,7 @@ def qwen(
 @pytest.fixture(scope="module")
 def plain_proxy(qwen: tuple[TopologyRun, Server]) -> Iterator[str]:
     """A second proxy before the same E and PD, with the metadata rewrite off."""
-    from epdctl.launcher import probe
+    from epdctl.launch.processes import probe
 
     run, _ = qwen
     specs = {s.name: s.spec() for s in run.state().specs}

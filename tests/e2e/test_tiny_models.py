@@ -156,8 +156,8 @@ def test_cpu_topologies_plan(
     name: str, kind: str, roles: list[str], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """The shipped CPU topologies plan to CPU launcher commands with the flags that worked."""
-    from epdctl.plan import plan
-    from epdctl.topology import load_topology
+    from epdctl.launch.plan import plan
+    from epdctl.topology.model import load_topology
 
     model = request.getfixturevalue(f"tiny_{kind}")
     topology = load_topology(copy_topology(name, tmp_path, model=model))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from epdctl.topology import load_topology
+from epdctl.topology.model import load_topology
 from epdctl.tune.model import ATTAINMENT
 from tests.e2e.topology_run import (
     cli_env,
@@ -33,7 +33,7 @@ NUM_PROMPTS = 6
 
 def stop_everything_under(state_root: Path) -> None:
     """Whatever a killed `tune` left running: every process group marked for a run dir."""
-    from epdctl.launcher import scan_marked, stop_all
+    from epdctl.launch.processes import scan_marked, stop_all
 
     for run_dir in state_root.iterdir() if state_root.is_dir() else ():
         found = scan_marked(run_dir)

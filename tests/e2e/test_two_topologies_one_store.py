@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from epdctl.cache.store import Store
-from epdctl.store_root import record_namespace
+from epdctl.cache.store_root import record_namespace
 from tests.e2e.topology_run import (
     TopologyRun,
     cli_env,
@@ -57,7 +57,7 @@ def pair(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
                 if run.is_up():
                     run.cli("down", "--name", run.name, timeout_s=90)
     finally:
-        from epdctl.launcher import scan_marked, stop_all
+        from epdctl.launch.processes import scan_marked, stop_all
 
         for run in runs:
             if leftovers := scan_marked(run.run_dir):

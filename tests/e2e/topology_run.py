@@ -62,7 +62,7 @@ class TopologyRun:
 
     def state(self) -> Any:
         """state.json (or last-run.json after `down`) as the RunState model."""
-        from epdctl.state import RunState
+        from epdctl.launch.state import RunState
 
         path = self.run_dir / "state.json"
         if not path.exists():
@@ -161,7 +161,7 @@ def release_new_semaphores() -> Iterator[None]:
     """Unlink the Python multiprocessing semaphores (`sem.mp-*`) that appeared inside and
     that no live process maps: a SIGKILLed engine's helper processes can leave them, created
     after the last snapshot the supervisor took, so neither it nor `down` knows them."""
-    from epdctl.shm import release
+    from epdctl.host.shm import release
 
     before = _semaphores()
     try:
@@ -171,7 +171,7 @@ def release_new_semaphores() -> Iterator[None]:
 
 
 def _stop_leftovers(run: TopologyRun) -> None:
-    from epdctl.launcher import scan_marked, stop_all
+    from epdctl.launch.processes import scan_marked, stop_all
 
     leftovers = scan_marked(run.run_dir)
     if leftovers:
@@ -190,7 +190,7 @@ def wait_for(predicate: Any, timeout_s: float = 30.0, interval_s: float = 0.1) -
 
 def leftovers(run: TopologyRun) -> list[str]:
     """Recorded processes (supervisor included) or their groups still alive after `down`."""
-    from epdctl.launcher import group_alive
+    from epdctl.launch.processes import group_alive
     from tests.conftest import is_running
 
     state = run.state()
