@@ -21,10 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from epdctl import restart_one
 from epdctl.errors import InstanceDiedError
 from epdctl.restarts import Budget
 from epdctl.run import prepare
-from epdctl.state import Record, StateDir
+from epdctl.state import Record, RunState, StateDir
 from epdctl.supervisor import Supervisor
 from tests.conftest import is_running
 from tests.reliability.helpers import edit_topology
@@ -182,10 +183,7 @@ def test_an_instance_out_of_restarts_stays_down_while_its_role_has_another(
 ) -> None:
     """pd-1 crashes twice within the window (max_restarts 1): it stays down, `failed` in
     state.json, `status --json` and `top`, with its log's last lines; pd-0, the encoder and
-    the real proxy keep serving, and the proxy ejects pd-1."""
-    from epdctl.cli.status import collect
-    from epdctl.top import sample, summary, view
-
+    the real proxy keep serving, and the proxy ejects pd-1. `epdctl restart` brings it back."""
     sup = supervisor(state_root, two_pds(state_root, fake_topology), FakeClock())
 
     def script(sup: Supervisor) -> None:
@@ -203,35 +201,50 @@ def test_an_instance_out_of_restarts_stays_down_while_its_role_has_another(
         assert "  fake: serving fake-model on 127.0.0.1:" in pd1.error
         assert {n: r.state for n, r in state.records.items()} == {
             "encode-0": "ready", "pd-0": "ready", "pd-1": "failed", "proxy": "ready"}
-
-        doc = collect(sup.sdir, state)
-        rows = {i["name"]: i for i in doc["instances"]}
-        assert (rows["pd-1"]["state"], rows["pd-1"]["error"]) == ("failed", pd1.error)
-        assert rows["pd-0"]["state"] == "ready" and not doc["ready"]
-        top = summary.summarize(state, [sample.take(state)])
-        assert [r["is_failed"] for r in top["instances"]] == [False, False, True]
-        lines = _text(view.render(top)).splitlines()
-        assert next(ln for ln in lines if ln.startswith("pd-1")).split()[:3] == [
-            "pd-1", "PD", "failed"]
-
-        proxy, key = state.proxy.url, state.internal_key
-        with httpx.Client(base_url=proxy, timeout=30) as client:
-            for _ in range(4):
-                reply = client.post("/v1/chat/completions", json={
-                    "model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})
-                assert reply.status_code == 200, reply.text
-
-            def health() -> dict:
-                return dict(client.get("/health",
-                                       headers={"authorization": f"Bearer {key}"}).json())
-
-            until_sync(lambda: health()["roles"]["prefill_decode"]["out"], "pd-1 ejected",
-                       EJECTED_S, poll_s=0.2)
-            assert health()["roles"]["prefill_decode"] == {
-                "in": [state.specs[1].url], "out": [state.specs[2].url]}
+        check_status_and_top(sup.sdir, state)
+        check_proxy_routes_around(state)
+        # `epdctl restart pd-1` brings it back (an asked restart: no budget spent).
+        restart_one.request(sup.sdir, "pd-1")
+        back = wait_ready(sup, "pd-1", 1)
+        assert back.pid != pd1.pid and back.error is None
 
     assert supervise(sup, script) == 143
     assert not any(is_running(p) for p in all_pids(sup))
+
+
+def check_status_and_top(sdir: StateDir, state: RunState) -> None:
+    """pd-1 is `failed` in `status --json` (with its error) and in `top`'s UP column."""
+    from epdctl.cli.status import collect
+    from epdctl.top import sample, summary, view
+
+    doc = collect(sdir, state)
+    rows = {i["name"]: i for i in doc["instances"]}
+    assert (rows["pd-1"]["state"], rows["pd-1"]["error"]) == ("failed",
+                                                              state.records["pd-1"].error)
+    assert rows["pd-0"]["state"] == "ready" and not doc["ready"]
+    top = summary.summarize(state, [sample.take(state)])
+    assert [r["is_failed"] for r in top["instances"]] == [False, False, True]
+    lines = _text(view.render(top)).splitlines()
+    assert next(ln for ln in lines if ln.startswith("pd-1")).split()[:3] == [
+        "pd-1", "PD", "failed"]
+
+
+def check_proxy_routes_around(state: RunState) -> None:
+    """Requests through the real proxy still answer, and its health loop ejects pd-1."""
+    key = state.internal_key
+    with httpx.Client(base_url=state.proxy.url, timeout=30) as client:
+        for _ in range(4):
+            reply = client.post("/v1/chat/completions", json={
+                "model": "fake-model", "messages": [{"role": "user", "content": "hi"}]})
+            assert reply.status_code == 200, reply.text
+
+        def health() -> dict:
+            return dict(client.get("/health", headers={"authorization": f"Bearer {key}"}).json())
+
+        until_sync(lambda: health()["roles"]["prefill_decode"]["out"], "pd-1 ejected",
+                   EJECTED_S, poll_s=0.2)
+        assert health()["roles"]["prefill_decode"] == {
+            "in": [state.specs[1].url], "out": [state.specs[2].url]}
 
 
 def _text(renderable: object) -> str:
