@@ -44,6 +44,17 @@ def fake_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EPDCTL_PROXY_COMMAND", FAKE_PROXY)
 
 
+def test_window_and_max_backoff_are_durations_that_reach_the_supervisor(fake_topology) -> None:
+    from epdctl.run import settings_of
+    from epdctl.topology import load_topology
+    from epdctl.topology_sections import Restart
+
+    assert (Restart().window, Restart().max_backoff) == (600.0, 60.0)
+    extra = "restart: {policy: on-failure, window: 2h, backoff: 1s, max_backoff: 5m}\n"
+    budget = Budget.of(settings_of(load_topology(fake_topology(extra=extra))))
+    assert budget == Budget(max_restarts=3, window_s=7200.0, backoff_s=1.0, max_backoff_s=300.0)
+
+
 def test_backoff_doubles_up_to_the_cap() -> None:
     budget = Budget(max_restarts=100, window_s=WINDOW_S, backoff_s=2.0, max_backoff_s=60.0)
     assert [budget.delay_s(n) for n in range(7)] == [2, 4, 8, 16, 32, 60, 60]
