@@ -40,11 +40,13 @@ def _instance(spec: SpecModel, record: Record | None, now: float) -> dict[str, A
         "name": spec.name, "role": spec.role, "gpus": spec.gpus, "port": spec.port,
         "url": spec.url, "pid": None, "state": "starting",
         "uptime_s": None, "rss_bytes": None, "restarts": 0, "exit_code": None,
-        "log": spec.log_path,
+        "log": spec.log_path, "error": None,
     }
     if record is None:
         return row
     row.update(pid=record.pid, restarts=record.restarts, exit_code=record.exit_code)
+    if record.state == "failed":  # out of restarts: the supervisor gave up on it
+        return {**row, "state": "failed", "error": record.error}
     match = process_matches(record.pid, record.create_time)
     row["state"] = judge(match, bool(match) and is_ready(spec.health_url),
                          record.ready_at is not None)
@@ -139,6 +141,9 @@ def status(app: App, ctx: click.Context, name: str | None, as_json: bool,
         from epdctl.launch.exposure import safety_line
 
         app.out.print(safety_line(doc["safety"]), markup=False, highlight=False)
+        for row in doc["instances"]:
+            if row["error"] and row["error"] not in (doc["error"] or ""):
+                app.err.print(row["error"], markup=False)
         if doc["error"]:
             app.err.print(doc["error"], markup=False)
     ctx.exit(0 if doc["ready"] else 1)

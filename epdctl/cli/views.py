@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from epdctl.cli._app import App
 
 STATE_STYLE = {"ready": "green", "starting": "yellow", "pending": "dim", "backoff": "yellow",
-               "unhealthy": "red", "exited": "red", "stale": "magenta"}
+               "unhealthy": "red", "exited": "red", "failed": "red", "stale": "magenta"}
 
 
 def duration(seconds: float | None) -> str:

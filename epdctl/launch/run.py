@@ -70,6 +70,7 @@ def settings_of(topology: Topology) -> Settings:
     """What the supervisor needs of the topology once `up` has returned."""
     r, c = topology.restart, topology.cache
     return Settings(restart_policy=r.policy, max_restarts=r.max_restarts, backoff_s=r.backoff,
+                    restart_window_s=r.window, max_backoff_s=r.max_backoff,
                     cache_capacity_bytes=c.capacity, cache_ttl_s=c.ttl, cache_grace_s=c.grace,
                     keep_cache_on_down=c.keep_on_down)
 

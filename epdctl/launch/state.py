@@ -22,7 +22,8 @@ STATE_VERSION = 2
 # Kept by `down` instead of state.json, so `logs` still knows names and their order.
 LAST_RUN = "last-run.json"
 Phase = Literal["starting", "running", "stopping", "stopped", "failed", "exited"]
-InstanceState = Literal["pending", "starting", "ready", "unhealthy", "exited", "backoff"]
+InstanceState = Literal["pending", "starting", "ready", "unhealthy", "exited", "backoff",
+                        "failed"]
 
 _CONFIG = ConfigDict(extra="forbid")
 _RESTART, _CACHE = Restart(), Cache()
@@ -86,7 +87,13 @@ class Record(BaseModel):
     ready_at: float | None = None
     state: InstanceState = "starting"
     restarts: int = 0
+    """Restarts in the run's whole life (`status` shows it)."""
+    restart_times: list[float] = []
+    """Wall-clock times of its restarts within `restart.window` (the budget counts these;
+    state written before it existed: none)."""
     exit_code: int | None = None
+    error: str | None = None
+    """Why the supervisor gave up on it (state `failed`): its exit and its log's last lines."""
     shm_files: list[str] = []
     """/dev/shm files its processes mapped: unlinked once the group is gone (see shm.py)."""
 
@@ -99,6 +106,8 @@ class Settings(BaseModel):
     restart_policy: Literal["no", "on-failure"] = _RESTART.policy
     max_restarts: int = _RESTART.max_restarts
     backoff_s: float = _RESTART.backoff
+    restart_window_s: float = _RESTART.window
+    max_backoff_s: float = _RESTART.max_backoff
     cache_capacity_bytes: int = _CACHE.capacity
     cache_ttl_s: float = _CACHE.ttl
     cache_grace_s: float = _CACHE.grace

@@ -29,6 +29,7 @@ from epdctl.launch.processes import (
     stop_all,
 )
 from epdctl.launch.readiness import STARTUP_TIMEOUT_S, is_ready, judge
+from epdctl.launch.restarts import Budget
 from epdctl.launch.spec import LaunchSpec
 from epdctl.launch.state import Record, RunState, StateDir
 from epdctl.logs.stamps import Stamper
@@ -63,8 +64,10 @@ class Supervisor:
         stop_timeout_s: float = STOP_TIMEOUT_S,
         on_change: Hook | None = None,
         on_ready: Hook | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.sdir, self.state = sdir, state
+        self.clock = clock  # the wall clock of restart times (state.json keeps them)
         self.timeout_s, self.stop_timeout_s = timeout_s, stop_timeout_s
         self.on_change, self.on_ready = on_change, on_ready
         self.slots = [_Slot(s.spec()) for s in state.specs]
@@ -192,19 +195,49 @@ class Supervisor:
             if self.state.phase == "starting":
                 what = f"{exit_text(code)} while starting"
                 self._fail(StartupError, describe_failure(name, what, log, code))
-            settings = self.state.settings
-            if settings.restart_policy == "on-failure" and code != 0 and (
-                record.restarts < settings.max_restarts
-            ):
-                record.state = "backoff"
-                slot.restart_at = time.monotonic() + settings.backoff_s * 2**record.restarts
-                print(f"epdctl: `{name}` {exit_text(code)}; restarting", file=sys.stderr)
-                self._save()
-                continue
-            what = f"{exit_text(code)} while serving"
-            if code != 0 and settings.restart_policy == "on-failure":
-                what += f" (after {record.restarts} restart(s))"
-            self._fail(InstanceDiedError, describe_failure(name, what, log, code))
+            if self.state.settings.restart_policy != "on-failure" or code == 0:
+                what = f"{exit_text(code)} while serving"
+                self._fail(InstanceDiedError, describe_failure(name, what, log, code))
+            elif not self._restart(slot, record, code):
+                self._give_up(slot, record, code)
+
+    def _restart(self, slot: _Slot, record: Record, code: int) -> bool:
+        """Schedule the restart of an instance that exited while serving, if its budget for
+        the window allows one (restarts older than the window are forgiven)."""
+        budget, now = Budget.of(self.state.settings), self.clock()
+        delay_s = budget.next_delay_s(record.restart_times, now)
+        if delay_s is None:
+            return False
+        record.restart_times = [*budget.recent(record.restart_times, now), now]
+        record.state = "backoff"
+        slot.restart_at = time.monotonic() + delay_s
+        print(f"epdctl: `{slot.spec.name}` {exit_text(code)}; restarting in {delay_s:g}s "
+              f"(restart {len(record.restart_times)} of {budget.max_restarts} within "
+              f"{budget.window_s:g}s)", file=sys.stderr, flush=True)
+        self._save()
+        return True
+
+    def _give_up(self, slot: _Slot, record: Record, code: int) -> None:
+        """An instance out of restarts stays down (`failed`) while its role has another
+        instance running or restarting; the topology fails once a role has none left."""
+        budget = Budget.of(self.state.settings)
+        recent = budget.recent(record.restart_times, self.clock())
+        what = (f"{exit_text(code)} while serving (after {len(recent)} restart(s)); out of "
+                f"restarts ({budget.max_restarts} within {budget.window_s:g}s)")
+        message = describe_failure(slot.spec.name, what, slot.spec.log_path, code)
+        record.state, record.error = "failed", message
+        role = slot.spec.role
+        peers = [s for s in self.slots if s.spec.role == role]
+        alive = [s.spec.name for s in peers if s.proc is not None or s.restart_at is not None]
+        if alive:
+            print(f"epdctl: {message}\nepdctl: `{slot.spec.name}` stays down; role `{role}` "
+                  f"goes on with {', '.join(f'`{n}`' for n in alive)}", file=sys.stderr,
+                  flush=True)
+            self._save()
+            return
+        names = ", ".join(f"`{s.spec.name}`" for s in peers)
+        self._fail(InstanceDiedError,
+                   f"role `{role}` has no instance left ({names} out of restarts); {message}")
 
     def _start_due(self) -> None:
         now = time.monotonic()
@@ -226,6 +259,7 @@ class Supervisor:
             self.state.records[slot.spec.name] = Record(
                 name=slot.spec.name, pid=slot.proc.pid, pgid=slot.proc.pgid,
                 create_time=slot.proc.create_time, started_at=time.time(), restarts=restarts,
+                restart_times=record.restart_times if record else [],
             )
             self._save()  # recorded before waiting, so `down` finds it even if we die now
 

@@ -83,6 +83,8 @@ def summarize(state: RunState, samples: Sequence[Sample],
     up = _in_rotation(now.scrapes.get(proxy))
     for row in instances:
         row["in_rotation"] = up.get(row["url"])
+        record = state.records.get(row["name"])
+        row["is_failed"] = record is not None and record.state == "failed"  # out of restarts
     return {
         "name": state.name, "mode": state.mode,
         "time": datetime.fromtimestamp(now.at).astimezone().isoformat(timespec="seconds"),

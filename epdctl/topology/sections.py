@@ -229,11 +229,19 @@ class Restart(BaseModel):
     model_config = _CONFIG
 
     policy: Literal["no", "on-failure"] = "no"
-    """`no`: an exit stops the topology; `on-failure`: restart the instance."""
+    """`no`: an exit stops the topology; `on-failure`: restart the instance (an exit with
+    code 0 still stops the topology)."""
     max_restarts: Annotated[Int, Field(ge=0)] = 3
-    """Restarts per instance before giving up and stopping the topology."""
+    """Restarts per instance within `window`. An instance that needs one more stays down
+    (`failed` in `epdctl status`, the proxy routes around it) while its role has another
+    instance up; the topology stops once a role has none left."""
+    window: Seconds = 600.0
+    """How far back restarts count (`10m`, `90s`, or seconds): older ones are forgiven, so
+    an instance that was ready for a whole window starts again with a clean count."""
     backoff: Seconds = 2.0
-    """First delay; doubled on each restart of the same instance."""
+    """First delay; doubled for each restart of the same instance within `window`."""
+    max_backoff: Seconds = 60.0
+    """Longest delay (`60s`, `5m`, or seconds): the doubling stops here."""
 
     @field_validator("policy", mode="before")
     @classmethod
