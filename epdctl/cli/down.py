@@ -26,14 +26,16 @@ if TYPE_CHECKING:
 @click.option("--keep-cache", "should_keep_cache", is_flag=True,
               help="Keep the EC store files (as `cache.keep_on_down: true` does).")
 @click.option("--drain", "drain_s", type=click.FloatRange(min=0), default=DRAIN_S,
+              is_flag=False, flag_value=DRAIN_S,
               show_default=True, metavar="SECONDS",
-              help="First let the requests in flight finish, for up to SECONDS: the proxy "
+              help="First let the requests in flight finish, for up to SECONDS (30 when "
+              "none is given): the proxy "
               "admits nothing new meanwhile (503 with Retry-After).")
-@click.option("--no-drain", "drain_s", flag_value=0.0,
+@click.option("--no-drain", "is_cut", is_flag=True,
               help="Stop at once: requests in flight are cut.")
 @pass_app
 def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
-         should_keep_cache: bool, drain_s: float) -> None:
+         should_keep_cache: bool, drain_s: float, is_cut: bool) -> None:
     """Stop a running topology and remove its state (after a drain: see --drain)"""
     from epdctl.errors import NotRunningError, StateError
     from epdctl.launch.run import find, stop
@@ -45,7 +47,7 @@ def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
         if not should_scan:
             raise
         state = None
-    if state is not None and drain_s > 0:
+    if state is not None and drain_s > 0 and not is_cut:
         _drain(app, state, drain_s)
     result = stop(sdir, state, timeout_s, should_scan=should_scan,
                   should_keep_cache=should_keep_cache)

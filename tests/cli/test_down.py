@@ -117,3 +117,25 @@ def test_store_dir_removed_unless_kept(epdctl, fake_topology, state_root, tmp_pa
     os.makedirs(store, exist_ok=True)
     assert epdctl("down").exit_code == 0
     assert not os.path.exists(os.path.dirname(store))  # the last namespace: the root goes too
+
+
+@pytest.mark.parametrize(("args", "seconds"), [
+    ((), 30.0), (("--drain",), 30.0), (("--drain", "5"), 5.0), (("--no-drain",), None),
+    (("--drain", "0"), None)])
+def test_down_drains_for_the_seconds_asked(args: tuple[str, ...], seconds: float | None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--drain [SECONDS]` (30 without a value or the flag), `--no-drain`: what the drain
+    step is asked for before the stop (nothing: no drain)."""
+    import sys
+    from unittest import mock
+
+    from click.testing import CliRunner
+
+    from epdctl.cli import cli
+
+    module = sys.modules["epdctl.cli.down"]
+    asked: list[float] = []
+    monkeypatch.setattr(module, "_drain", lambda app, state, s: asked.append(s))
+    with mock.patch("epdctl.launch.run.find"), mock.patch("epdctl.launch.run.stop"):
+        result = CliRunner().invoke(cli, ["down", *args])
+    assert asked == ([] if seconds is None else [seconds]), result.output
