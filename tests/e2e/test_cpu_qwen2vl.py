@@ -18,21 +18,27 @@ import pytest
 
 from epdctl.proxy.config import UPSTREAM_KEY_ENV
 from tests.baselines import QWEN2VL_ARGS, Baselines
-from tests.e2e.topology_run import (
-    MEDIA_PROBE,
+from tests.harness import (
+    Server,
     TopologyRun,
+    chat,
     check_all_ready,
     check_down,
     check_logs,
     check_verify,
     encoder_posts,
+    free_port,
+    image_data_url,
+    make_image,
     proxy_counters,
     store_counters,
     topology_with_baseline,
     wait_for,
     write_topology,
 )
-from tests.vllm_harness import Server, chat, free_port, image_data_url, make_image
+
+MEDIA_PROBE = Path(__file__).parent / "probe"
+"""A sitecustomize that logs the media loads and HF processor calls of PD's processes."""
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-qwen2vl"

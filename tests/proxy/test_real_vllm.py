@@ -19,7 +19,7 @@ import pytest
 
 from epdctl.proxy.request.media import content_key
 from tests.baselines import Baselines
-from tests.vllm_harness import chat, free_port, image_data_url, make_image
+from tests.harness import chat, free_port, image_data_url, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 

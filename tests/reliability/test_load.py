@@ -29,18 +29,9 @@ import httpx
 import pytest
 
 from epdctl.proxy.config import UPSTREAM_KEY_ENV
-from tests.e2e.topology_run import TopologyRun
+from tests.harness import TopologyRun, edited_topology, store_root
 from tests.reliability.helpers import wait_for
-from tests.reliability.realrun import (
-    Probe,
-    answer,
-    body,
-    broken_store,
-    image,
-    store_root,
-    streamed,
-    topology,
-)
+from tests.reliability.probe import Probe, answer, body, broken_store, image, streamed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "tiny-qwen2vl"
@@ -62,7 +53,7 @@ def run(tiny_qwen2vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         def change(data: dict[str, Any]) -> None:
             data["cache"].update(capacity=CAPACITY, grace="1s", ttl="10m")
 
-        with topology("cpu-qwen2vl", tmp, tiny_qwen2vl, cache_dir, change) as running:
+        with edited_topology("cpu-qwen2vl", tmp, tiny_qwen2vl, cache_dir, change) as running:
             yield running
 
 
@@ -85,7 +76,7 @@ def evicting_proxy(run: TopologyRun, entries: Path) -> Iterator[tuple[str, list[
 
     from epdctl.cache._format import ENTRY_SUFFIX, key_filename
     from epdctl.launcher import probe
-    from tests.vllm_harness import free_port
+    from tests.harness import free_port
 
     specs = {s.name: s for s in run.state().specs}
     e_port = specs["encode-0"].port
