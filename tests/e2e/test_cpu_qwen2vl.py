@@ -9,8 +9,6 @@ load and HF-processor call of each instance in a file of its own.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,10 +25,11 @@ from tests.harness import (
     check_logs,
     check_verify,
     encoder_posts,
-    free_port,
     image_data_url,
     make_image,
+    process_up,
     proxy_counters,
+    proxy_spec,
     store_counters,
     topology_with_baseline,
     wait_for,
@@ -69,27 +68,14 @@ def qwen(
 @pytest.fixture(scope="module")
 def plain_proxy(qwen: tuple[TopologyRun, Server]) -> Iterator[str]:
     """A second proxy before the same E and PD, with the metadata rewrite off."""
-    from epdctl.launcher import probe
-
     run, _ = qwen
     specs = {s.name: s.spec() for s in run.state().specs}
-    port = free_port()
-    log = open(run.run_dir / "logs" / "plain-proxy.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
-         "--encode", specs["encode-0"].url, "--prefill-decode", specs["pd-0"].url,
-         "--no-metadata-rewrite"],
-        env={**os.environ, UPSTREAM_KEY_ENV: run.state().internal_key},
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_for(lambda: proc.poll() is None and probe(f"{url}/health") == 200, 60, 0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    spec = proxy_spec("plain-proxy", run.run_dir / "logs" / "plain-proxy.log",
+                      ("--model", MODEL, "--encode", specs["encode-0"].url,
+                       "--prefill-decode", specs["pd-0"].url, "--no-metadata-rewrite"),
+                      env={UPSTREAM_KEY_ENV: run.state().internal_key})
+    with process_up(spec, run.run_dir) as proxy:
+        yield proxy.url
 
 
 class Probe:

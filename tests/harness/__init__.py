@@ -39,6 +39,8 @@ from tests.harness.engine import (
     Server,
     ServerStartError,
     is_running,
+    process_up,
+    proxy_spec,
     start_engine,
     start_process,
     stop_servers,
@@ -67,13 +69,13 @@ from tests.harness.topology import (
 from tests.waits import wait_for
 
 __all__ = [
-    "CPU_ARGS", "CPU_ENV", "READY_TIMEOUT_S", "REPO", "TOPOLOGIES", "Server", "ServerStartError",
+    "CPU_ARGS", "CPU_ENV", "READY_TIMEOUT_S", "REPO", "Server", "ServerStartError", "TOPOLOGIES",
     "TopologyRun", "cache_entry", "chat", "chat_completion", "chat_messages", "check_all_ready",
     "check_down", "check_logs", "check_verify", "cli_env", "copy_topology", "edit_topology",
-    "edited_topology", "encoder_posts", "free_port", "free_ports", "image_data_url",
-    "is_running", "leftovers", "make_image", "proxy_counters", "release_new_semaphores",
-    "shm_files", "start_engine", "start_process", "start_topology", "stop_marked",
-    "stop_servers", "stop_topology", "store_counters", "store_files", "store_root",
+    "edited_topology", "encoder_posts", "free_port", "free_ports", "image_data_url", "is_running",
+    "leftovers", "make_image", "process_up", "proxy_counters", "proxy_spec",
+    "release_new_semaphores", "shm_files", "start_engine", "start_process", "start_topology",
+    "stop_marked", "stop_servers", "stop_topology", "store_counters", "store_files", "store_root",
     "topology_up", "topology_with_baseline", "wait_all_ready", "wait_for", "with_port",
     "write_topology",
 ]

@@ -8,7 +8,8 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -42,6 +43,8 @@ CPU_ENV: dict[str, str] = {
 }
 ENGINE_MODULE = "epdctl.engines.vllm_cpu"
 READY_TIMEOUT_S = 240.0
+PROCESS_READY_S = 60.0
+"""For a process that imports no vLLM (a proxy)."""
 STOP_TIMEOUT_S = 20.0
 POLL_S = 0.5
 _cores = itertools.count()
@@ -154,10 +157,29 @@ def start_engine(
     return start_process(spec, run_dir, model=str(model))
 
 
+def proxy_spec(name: str, log_path: Path, args: Sequence[str],
+               env: Mapping[str, str] | None = None) -> LaunchSpec:
+    """`python -m epdctl.proxy ARGS` on a free port (upstreams and knobs in `args`)."""
+    return LaunchSpec(name=name, role="proxy", command=(sys.executable, "-m", "epdctl.proxy"),
+                      port=free_port(), log_path=log_path, args=tuple(args), env=dict(env or {}))
+
+
 def with_port(spec: LaunchSpec, name: str, port: int, log_path: Path,
               args: Sequence[str] = ()) -> LaunchSpec:
     """Another process like `spec` (a second proxy): its name, port, log, and `args` added."""
     return replace(spec, name=name, port=port, log_path=log_path, args=(*spec.args, *args))
+
+
+@contextmanager
+def process_up(spec: LaunchSpec, run_dir: Path,
+               timeout_s: float = PROCESS_READY_S) -> Iterator[Server]:
+    """start_process, then ready (/health 200) within `timeout_s`; stopped on the way out."""
+    server = start_process(spec, run_dir)
+    try:
+        wait_all_ready([server], timeout_s)
+        yield server
+    finally:
+        stop_servers([server])
 
 
 def wait_all_ready(

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from epdctl.proxy.config import UPSTREAM_KEY_ENV
-from tests.harness import TopologyRun, edited_topology, store_root
+from tests.harness import TopologyRun, edited_topology, process_up, proxy_spec, store_root
 from tests.reliability.helpers import wait_for
 from tests.reliability.probe import Probe, answer, body, broken_store, image, streamed
 
@@ -70,13 +70,9 @@ def evicting_proxy(run: TopologyRun, entries: Path) -> Iterator[tuple[str, list[
     every entry E reports before passing E's answer on: each one is evicted after E saved
     and reported it and before PD can pin it. Yields the proxy URL and the keys deleted."""
     import http.client
-    import subprocess
-    import sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from epdctl.cache._format import ENTRY_SUFFIX, key_filename
-    from epdctl.launcher import probe
-    from tests.harness import free_port
 
     specs = {s.name: s for s in run.state().specs}
     e_port = specs["encode-0"].port
@@ -115,22 +111,14 @@ def evicting_proxy(run: TopologyRun, entries: Path) -> Iterator[tuple[str, list[
 
     shim = ThreadingHTTPServer(("127.0.0.1", 0), Shim)
     threading.Thread(target=shim.serve_forever, daemon=True).start()
-    port = free_port()
-    log = open(run.run_dir / "logs" / "evicting-proxy.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
-         "--encode", f"http://127.0.0.1:{shim.server_address[1]}",
-         "--prefill-decode", f"http://127.0.0.1:{specs['pd-0'].port}"],
-        env={**os.environ, UPSTREAM_KEY_ENV: run.state().internal_key},
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    spec = proxy_spec("evicting-proxy", run.run_dir / "logs" / "evicting-proxy.log",
+                      ("--model", MODEL, "--encode", f"http://127.0.0.1:{shim.server_address[1]}",
+                       "--prefill-decode", f"http://127.0.0.1:{specs['pd-0'].port}"),
+                      env={UPSTREAM_KEY_ENV: run.state().internal_key})
     try:
-        assert wait_for(lambda: proc.poll() is None and probe(f"{url}/health") == 200, 60, 0.2)
-        yield url, deleted
+        with process_up(spec, run.run_dir) as proxy:
+            yield proxy.url, deleted
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
         shim.shutdown()
         shim.server_close()
 
