@@ -1,5 +1,5 @@
 """bench's bootstrap, the stdlib way it was (one replicate at a time, `random`) against
-numpy's (every replicate at once, `epdctl.bench.stats.summarize`), side by side in one run.
+numpy's (every replicate at once, `epdctl.bench.estimates.summarize`), side by side in one run.
 
     .venv/bin/python benchmarks/bench_stats.py [--rounds 3] [--requests 1000]
         [--resamples 2000] [--repeat 3]

@@ -329,7 +329,7 @@ def cpu_demo(name: str) -> Iterator[Demo]:
     import yaml
 
     from epdctl.dev.tiny_models import ensure_model
-    from epdctl.state import RunState
+    from epdctl.launch.state import RunState
 
     model = ensure_model("llava")
     tmp = Path(tempfile.mkdtemp(prefix="epdctl-bench-"))

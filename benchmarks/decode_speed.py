@@ -93,13 +93,13 @@ def arm_argv(argv: tuple[str, ...], port: int, arm: str, store_dir: str) -> list
 def start(tmp: Path, store_dir: str, arms: tuple[str, ...] = ARMS
           ) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
     from epdctl.dev.tiny_models import ensure_model
-    from epdctl.plan import plan
-    from epdctl.topology import load_topology
+    from epdctl.launch.plan import plan
+    from epdctl.topology.model import load_topology
 
     topology = load_topology(ROOT / "topologies" / "cpu-demo.yaml")
     topology = topology.model_copy(update={"model": str(ensure_model("llava"))})
     (pd,) = [s for s in plan(topology, tmp / "state", cpu_count=2).specs if s.name == "pd-0"]
-    from epdctl import ipc
+    from epdctl.host import ipc
 
     # The private IPC directory, made as the launcher makes it (the arms share it: uuid names).
     if (rpc := ipc.ours(pd.env, tmp / "state", pd.name)) is not None:

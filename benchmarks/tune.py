@@ -79,7 +79,7 @@ def budget_for(budget: str, gpus: int) -> str:
     """tune's --budget on `gpus` fake GPUs: stretched as the waits are (dilation), so that
     `--budget 15m` is 15 minutes on 4 GPUs and 30 on 8 (profiling a stage there takes twice
     as long)."""
-    from epdctl.topology_sections import parse_duration
+    from epdctl.topology.sections import parse_duration
 
     factor = dilation(gpus)
     return budget if factor == 1.0 else f"{parse_duration(budget) * factor / 60:g}m"
@@ -203,7 +203,7 @@ class _Err:
 def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict | None:
     """One cost model on `gpus` fake GPUs: its figures (None: --sweep-only)."""
     from epdctl.bench.workload import LoadPoint, Workload, parse_slo
-    from epdctl.topology import load_topology
+    from epdctl.topology.model import load_topology
     from epdctl.tune.candidates import candidates, limits_for, request_tokens
     from epdctl.tune.facts import from_file
 

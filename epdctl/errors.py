@@ -53,3 +53,7 @@ class InstanceDiedError(EpdctlError):
 
 class RenderError(EpdctlError):
     """The topology cannot be rendered for the requested target (e.g. Kubernetes)."""
+
+
+class RestartError(EpdctlError):
+    """`restart`: the instance cannot be restarted, or was not ready again in time."""

@@ -191,7 +191,7 @@ def fake_topology(tmp_path: Path) -> Callable[..., Path]:
 
 def run_pids(state_root: Path, name: str = "fake") -> dict[str, int]:
     """Recorded pids (supervisor included) of a run, from state.json or last-run.json."""
-    from epdctl.state import RunState
+    from epdctl.launch.state import RunState
 
     run_dir = state_root / name
     path = run_dir / "state.json"

@@ -19,7 +19,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 FLAGS = {"--port": int, "--host": str, "--ready-after": float, "--exit-after": float,
-         "--exit-code": int, "--model": str, "--served-model-name": str}
+         "--exit-code": int, "--model": str, "--served-model-name": str,
+         "--answer-after": float}
 SWITCHES = {"--ignore-sigterm", "--spawn-grandchild", "--shm-file", "--semaphore",
             "--ipc-socket"}
 
@@ -27,7 +28,8 @@ SWITCHES = {"--ignore-sigterm", "--spawn-grandchild", "--shm-file", "--semaphore
 def parse(argv: list[str]) -> dict:
     """Known flags by hand: argparse chokes on vLLM's JSON values and unknown flags."""
     opts: dict = {"--port": 8000, "--host": "127.0.0.1", "--ready-after": 0.0,
-                  "--exit-after": None, "--exit-code": 1, "--model": None}
+                  "--exit-after": None, "--exit-code": 1, "--model": None,
+                  "--answer-after": 0.0}
     positional = []
     i = 0
     while i < len(argv):
@@ -48,7 +50,10 @@ def parse(argv: list[str]) -> dict:
     return opts
 
 
-def make_handler(model: str, ready_at: float) -> type[BaseHTTPRequestHandler]:
+def make_handler(model: str, ready_at: float,
+                 answer_after: float = 0.0) -> type[BaseHTTPRequestHandler]:
+    """`answer_after`: seconds a completion takes (a streamed one: after its first word),
+    for requests that are still in flight when a test acts."""
     key = os.environ.get("VLLM_API_KEY")
 
     class Handler(BaseHTTPRequestHandler):
@@ -104,6 +109,7 @@ def make_handler(model: str, ready_at: float) -> type[BaseHTTPRequestHandler]:
             if body.get("stream"):
                 self._stream(chat, text)
                 return
+            time.sleep(answer_after)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                        "finish_reason": "stop"} if chat else
                       {"index": 0, "text": text, "finish_reason": "stop"})
@@ -126,6 +132,7 @@ def make_handler(model: str, ready_at: float) -> type[BaseHTTPRequestHandler]:
                          "choices": [delta]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
+                time.sleep(answer_after / 3)
             self.wfile.write(b"data: [DONE]\n\n")
             self.close_connection = True
 
@@ -179,7 +186,8 @@ def main() -> None:
         threading.Timer(opts["--exit-after"], leave).start()
     ready_at = time.monotonic() + opts["--ready-after"]
     server = ThreadingHTTPServer((opts["--host"], opts["--port"]),
-                                 make_handler(opts["--model"], ready_at))
+                                 make_handler(opts["--model"], ready_at,
+                                              opts["--answer-after"]))
     print(f"fake: serving {opts['--model']} on {opts['--host']}:{opts['--port']} "
           f"pid {os.getpid()}", flush=True)
     server.serve_forever()

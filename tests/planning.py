@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from epdctl.plan import LaunchSpec, Plan, flag_value, plan
-from epdctl.topology import Topology, load_topology, parse_topology
+from epdctl.launch.plan import LaunchSpec, Plan, flag_value, plan
+from epdctl.topology.model import Topology, load_topology, parse_topology
 
 ROOT = Path(__file__).parent.parent
 SHIPPED = sorted((ROOT / "topologies").glob("*.yaml"))

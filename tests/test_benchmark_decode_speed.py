@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from epdctl.plan import plan
-from epdctl.topology import load_topology
+from epdctl.launch.plan import plan
+from epdctl.topology.model import load_topology
 
 ROOT = Path(__file__).parent.parent
 BENCH = ROOT / "benchmarks" / "decode_speed.py"

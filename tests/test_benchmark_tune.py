@@ -234,7 +234,7 @@ def test_a_shard_is_i_of_n(text: str) -> None:
 def test_the_base_with_its_ports_moved(tmp_path: Path) -> None:
     """--port-offset: a second run beside the first gets ports of its own, and the base is
     still a topology `up` takes, on this venv's fake engine and the given cost model."""
-    from epdctl.topology import load_topology
+    from epdctl.topology.model import load_topology
 
     cost = tmp_path / "cost.yaml"
     topology = load_topology(bench_tune._base(tmp_path, cost, 100))

@@ -1,12 +1,17 @@
-"""The house rules CI enforces on the code itself: ruff clean, mypy clean, imports one way."""
+"""The house rules CI enforces on the code itself: ruff clean, mypy clean, imports one way,
+modules and functions within their sizes."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+"""From the `def` line to the last (decorators not counted: click option stacks)."""
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -26,7 +31,7 @@ def test_mypy_is_clean() -> None:
 
 def test_cli_and_proxy_import_no_vllm_or_torch() -> None:
     code = (
-        "import sys, epdctl.cli, epdctl.proxy.server.app, epdctl.plan, epdctl.render.k8s, "
+        "import sys, epdctl.cli, epdctl.proxy.server.app, epdctl.launch.plan, epdctl.render.k8s, "
         "epdctl.doctor\n"
         "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
     )
@@ -34,3 +39,26 @@ def test_cli_and_proxy_import_no_vllm_or_torch() -> None:
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def _sources() -> list[Path]:
+    return sorted((REPO / "epdctl").rglob("*.py"))
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = [f"{path.relative_to(REPO)} ({n} lines)" for path in _sources()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_function_is_over_60_lines() -> None:
+    """Every def and async def, methods and nested ones included."""
+    long = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} "
+                                f"({n} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(sorted(long))

@@ -20,7 +20,8 @@ def test_every_real_vllm_module_is_in_one_scope() -> None:
 
 
 def test_any_other_module_is_a_scope_of_its_own() -> None:
-    assert conftest.scope_of("tests/test_keys.py::test_a[x::y]") == "tests/test_keys.py"
+    assert conftest.scope_of("tests/topology/test_keys.py::test_a[x::y]") == \
+        "tests/topology/test_keys.py"
     assert conftest.scope_of("tests/reliability/test_lifecycle.py::test_x") == \
         "tests/reliability/test_lifecycle.py"
 

@@ -1,6 +1,6 @@
 """Parse planned engine argv with the `vllm serve` parser of whichever vLLM is importable.
 
-Run by tests/test_vllm_args.py in a subprocess (importing vLLM takes seconds and
+Run by tests/launch/test_vllm_args.py in a subprocess (importing vLLM takes seconds and
 configures logging, so it stays out of the pytest process):
 
     python tests/vllm_serve_args.py OUT.json < specs.json

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from epdctl.errors import BenchError
-from epdctl.topology import Role, Topology, flag_value
+from epdctl.topology.model import Role, Topology, flag_value
 
 Baseline = Literal["aggregated", "tp", "none"]
 Kind = Literal["epd", "baseline", "extra"]

@@ -16,7 +16,7 @@ AUDIO_RATE = 16000
 
 def wav(seconds: float, seed: int, rate: int = AUDIO_RATE) -> bytes:
     """A deterministic 16-bit mono WAV: a tone with noise; every seed gives other bytes."""
-    from epdctl.verify import wav_bytes
+    from epdctl.verifier.prompts import wav_bytes
 
     rng = random.Random(seed)
     pitch, count = rng.uniform(110.0, 880.0), int(seconds * rate)

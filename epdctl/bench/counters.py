@@ -11,7 +11,7 @@ from pathlib import Path
 
 from epdctl.bench.arms import Arm
 from epdctl.errors import EpdctlError
-from epdctl.state import RunState
+from epdctl.launch.state import RunState
 
 # The store's counters are flushed at most once a second by each engine.
 STATS_SETTLE_S = 1.2
@@ -102,7 +102,7 @@ def _store_delta(before: tuple[Counter[str], Counter[str]] | None,
 def device_names(arms: Sequence[Arm]) -> list[str]:
     """NVML names of the GPUs (cuda), else the CPU's model name."""
     if arms and arms[0].topology.device == "cuda":
-        from epdctl.gpus import gpu_names
+        from epdctl.host.gpus import gpu_names
 
         try:
             return gpu_names()

@@ -9,12 +9,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epdctl.bench.arms import Arm
+from epdctl.bench.estimates import FIGURES, Summary, summarize
 from epdctl.bench.runner import ArmRun, PointRun
 from epdctl.bench.samples import Round
-from epdctl.bench.stats import FIGURES, Summary, summarize
 from epdctl.bench.verdicts import Comparison, judge
 from epdctl.bench.workload import Workload
-from epdctl.verify import Prompt
+from epdctl.verifier.prompts import Prompt
 
 # Figure -> (column header, format) for tables; the order they are shown in.
 COLUMNS = {

@@ -25,9 +25,9 @@ from epdctl.bench.counters import (
 from epdctl.bench.samples import Round, parse_round
 from epdctl.bench.workload import Workload, argv, bench_command, parse_result, write_dataset
 from epdctl.errors import BenchError, EpdctlError, StartupError
-from epdctl.interrupts import unwinding
-from epdctl.state import RunState
-from epdctl.verify import PROMPTS, ChatAnswer, Prompt, chat_body, send_chat
+from epdctl.host.interrupts import unwinding
+from epdctl.launch.state import RunState
+from epdctl.verifier.prompts import PROMPTS, ChatAnswer, Prompt, chat_body, send_chat
 
 POLL_S = 1.0
 LOG_TAIL_LINES = 15
@@ -103,7 +103,7 @@ def prompts_for_arms(arms: Sequence[Arm]) -> list[Prompt]:
     """The greedy subset every arm takes: images (within the image limit) or, where the arms
     take audio and no images (an audio model), audio clips (within the audio limit)."""
     from epdctl.bench.arms import image_limit
-    from epdctl.verify import taken_modalities
+    from epdctl.verifier.prompts import taken_modalities
 
     def least(modality: str) -> int | None:
         limits = [n for n in (image_limit(a.topology, modality) for a in arms) if n is not None]
@@ -199,7 +199,7 @@ def _start(arm: Arm, result: ArmRun, workload: Workload, state_root: Path, work_
            plan: Plan, timeout_s: float, progress: Progress, prompts: Sequence[Prompt],
            arms: Sequence[Arm]) -> _Up:
     """Bring the arm up; the greedy subset the first time, the warm-up every time."""
-    from epdctl.run import prepare, start_detached
+    from epdctl.launch.run import prepare, start_detached
 
     progress.line(f"[{list(arms).index(arm) + 1}/{len(arms)}] {arm.name}: starting "
                   f"{arm.topology.name} ({arm.topology.mode})")
@@ -232,7 +232,7 @@ def _start(arm: Arm, result: ArmRun, workload: Workload, state_root: Path, work_
 
 
 def _stop(up: _Up, progress: Progress) -> None:
-    from epdctl.run import stop
+    from epdctl.launch.run import stop
 
     progress.line(f"  {up.arm.name}: stopping")
     state = up.state

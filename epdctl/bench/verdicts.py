@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from epdctl.bench.stats import Summary, expanded, t_quantile
+from epdctl.bench.estimates import Summary, expanded, t_quantile
 
 SAME = 0.05
 """Ratios within 5 % of 1 count as on par."""

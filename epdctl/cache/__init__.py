@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from epdctl import private
 from epdctl.errors import CacheError
+from epdctl.host import private
 
 # Written once here; plan.py builds --ec-transfer-config from them and the connector
 # registers itself under CONNECTOR_NAME (a name no vLLM built-in uses).
@@ -24,7 +24,7 @@ STORE_BASE = "/dev/shm"
 def default_store_root(uid: int | None = None) -> str:
     """Where the store lives unless a topology's `cache.dir` says otherwise: tmpfs, one root
     per user (a shared one would be whoever made it first's, readable by all). Anyone can
-    create it first: `up` then uses a fresh one of its own (epdctl.store_root)."""
+    create it first: `up` then uses a fresh one of its own (epdctl.cache.store_root)."""
     return f"{STORE_BASE}/epdctl-{os.geteuid() if uid is None else uid}"
 
 

@@ -23,10 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-from epdctl import private
 from epdctl.cache import _recycle
 from epdctl.cache._format import ENTRY_SUFFIX
 from epdctl.cache._maps import MAPPINGS, Mappings
+from epdctl.host import private
 
 RECENT_SIZES = 8  # the stocker makes files of the largest of the last saves' sizes
 # The stocker waits until saves have been quiet this long, plus the time a slow copy of the

@@ -181,27 +181,8 @@ def _sweep(
     ns_dirs = [d for d in namespace_dirs(root) if namespaces is None or d.name in namespaces]
     entries = [e for d in ns_dirs for e in scan_entries(d)]
     report.bytes_before = sum(e.size for e in entries)
-    evictable: list[Entry] = []
-    for e in entries:
-        # A second link is a pin: some engine is about to read this inode.
-        if e.nlink > 1:
-            report.kept_pinned += 1
-        elif now - e.mtime < grace_s:
-            report.kept_young += 1
-        else:
-            evictable.append(e)
-    doomed = {e.path: reason for e in evictable if (reason := expired(e))}
-    if budget_bytes is not None:
-        total = report.bytes_before - sum(e.size for e in evictable if e.path in doomed)
-        # The pool counts in the budget: at capacity, entries leave it room for a few files,
-        # so that evicted ones wait there for the next saves (recycled, not made anew).
-        reserve = _recycle.pool_reserve(budget_bytes, max((e.size for e in entries), default=0))
-        for e in sorted(evictable, key=lambda e: e.mtime):
-            if total <= budget_bytes - (reserve if recycle else 0):
-                break
-            if e.path not in doomed:
-                doomed[e.path] = "budget"
-                total -= e.size
+    evictable = _evictable(entries, now, grace_s, report)
+    doomed = _doomed(entries, evictable, expired, budget_bytes, recycle)
     for e in entries:
         if e.path in doomed and _remove_entry(e, dry_run, recycle):
             report.removed.append(Removed(e.namespace, e.path, e.size, doomed[e.path]))
@@ -229,6 +210,42 @@ def _sweep(
                 shutil.rmtree(d, ignore_errors=True)
             report.removed.append(Removed(d.name, str(d), 0, "empty-namespace"))
     return report
+
+
+def _evictable(entries: list[Entry], now: float, grace_s: float,
+               report: EvictionReport) -> list[Entry]:
+    """The entries neither pinned nor younger than the grace (those counted in `report`)."""
+    evictable: list[Entry] = []
+    for e in entries:
+        # A second link is a pin: some engine is about to read this inode.
+        if e.nlink > 1:
+            report.kept_pinned += 1
+        elif now - e.mtime < grace_s:
+            report.kept_young += 1
+        else:
+            evictable.append(e)
+    return evictable
+
+
+def _doomed(entries: list[Entry], evictable: list[Entry],
+            expired: Callable[[Entry], str | None], budget_bytes: int | None,
+            recycle: bool) -> dict[str, str]:
+    """The evictable entries to remove, by path, with the reason: expired, else the least
+    recently used past the budget."""
+    doomed = {e.path: reason for e in evictable if (reason := expired(e))}
+    if budget_bytes is not None:
+        total = sum(e.size for e in entries) - sum(e.size for e in evictable
+                                                   if e.path in doomed)
+        # The pool counts in the budget: at capacity, entries leave it room for a few files,
+        # so that evicted ones wait there for the next saves (recycled, not made anew).
+        reserve = _recycle.pool_reserve(budget_bytes, max((e.size for e in entries), default=0))
+        for e in sorted(evictable, key=lambda e: e.mtime):
+            if total <= budget_bytes - (reserve if recycle else 0):
+                break
+            if e.path not in doomed:
+                doomed[e.path] = "budget"
+                total -= e.size
+    return doomed
 
 
 def _stale_pins(ns_dir: Path, now: float, pin_ttl_s: float, dry_run: bool) -> Iterator[Removed]:

@@ -15,9 +15,9 @@ import json
 import os
 from typing import Any
 
-from epdctl import private
 from epdctl.cache._format import ENTRY_SUFFIX, key_filename
 from epdctl.cache.store import TMP_TOKEN, Store
+from epdctl.host import private
 
 META_SUFFIX = ".meta.json"
 

@@ -10,9 +10,9 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
-from epdctl import private
 from epdctl.cache._format import name_part
 from epdctl.cache.store import STATS
+from epdctl.host import private
 
 FLUSH_INTERVAL_S = 1.0
 # Per-key hit counts kept per writer; older keys fall off so the file stays small.

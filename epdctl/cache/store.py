@@ -6,12 +6,10 @@ import itertools
 import os
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from epdctl import private
 from epdctl.cache import _recycle, make_store_dir
 from epdctl.cache._format import (
     ENTRY_SUFFIX,
@@ -26,21 +24,21 @@ from epdctl.cache._format import (
     payload_nbytes,
 )
 from epdctl.cache._maps import MAPPINGS
+from epdctl.cache._payload import Fill, fill_from
+from epdctl.cache._payload import map_entry as map_entry
+from epdctl.cache._payload import read_into as read_into
 from epdctl.cache._prefault import Premapper, Stocker
 from epdctl.errors import CacheError
+from epdctl.host import private
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-# EntryHeader and MAPPINGS (the entry format, the process's kept mappings) are this module's
-# public names for the connector's I/O, as well as the store's own.
+# EntryHeader and MAPPINGS (the entry format, the process's kept mappings), read_into and
+# map_entry (_payload) are this module's public names for the connector's I/O, as well as
+# the store's own.
 
 ENTRIES, PINS, TMP, STATS, PENDING = "entries", "pins", "tmp", "stats", "pending"
-
-# Writes an entry's payload into its mapped bytes (a memoryview of exactly its size).
-Fill = Callable[[memoryview], None]
-# Copies an entry's payload out of its mapped bytes (read-only, exactly its size).
-Drain = Callable[[memoryview], None]
 
 _tmp_ids = itertools.count()
 # In every tmp name: a name of ours cannot be guessed (and is created O_EXCL anyway).
@@ -192,7 +190,7 @@ class Store:
             raise CacheError(self.refused)
         header = encode_header(key, self.namespace, dtype, shape, time.time_ns())
         nbytes = payload_nbytes(dtype, shape)
-        fill = data if callable(data) else _fill_from(data, nbytes)
+        fill = data if callable(data) else fill_from(data, nbytes)
         name = key_filename(key)
         tmp = f"{self.tmp}/{name}.{os.getpid()}.{TMP_TOKEN}{next(_tmp_ids)}"
         total = len(header) + nbytes
@@ -351,61 +349,6 @@ def _validate(
     if size - header.data_offset != header.nbytes:
         return Miss(f"size {size - header.data_offset}, expected {header.nbytes}")
     return header
-
-
-def read_into(path: str, header: EntryHeader, out: Buffer | Drain) -> None:
-    """Copy the payload of the entry at `path` into `out` (exactly header.nbytes).
-
-    `out`: a writable buffer, or a function that copies out of the mapped payload (a
-    read-only memoryview of exactly header.nbytes).
-    """
-    drain = out if callable(out) else _drain_into(out, header.nbytes)
-    with map_entry(path, header) as payload:
-        if header.nbytes:
-            drain(payload)
-
-
-def map_entry(path: str, header: EntryHeader, *, write: bool = False) -> memoryview:
-    """The payload of the entry at `path`, through its kept mapping: release it when done.
-
-    OSError when the file is shorter than its header says. `write` maps it writable
-    (the connector's CUDA path registers such mappings; it never writes through them).
-    """
-    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
-    try:
-        end = header.data_offset + header.nbytes
-        # The file's size is checked against `end` first: a shorter file is an OSError.
-        with MAPPINGS.view(fd, end, write=write) as mapped:
-            return mapped[header.data_offset : end]
-    finally:
-        os.close(fd)
-
-
-def _checked(buf: Buffer, nbytes: int) -> memoryview:
-    view = memoryview(buf).cast("B")
-    if view.nbytes != nbytes:
-        raise ValueError(f"the buffer holds {view.nbytes} bytes, the entry {nbytes}")
-    return view
-
-
-def _fill_from(buf: Buffer, nbytes: int) -> Fill:
-    """A Fill that copies a plain buffer into the entry (one memcpy)."""
-    view = _checked(buf, nbytes)
-
-    def fill(mapped: memoryview) -> None:
-        mapped[:] = view
-
-    return fill
-
-
-def _drain_into(buf: Buffer, nbytes: int) -> Drain:
-    """A Drain that copies the entry into a plain writable buffer (one memcpy)."""
-    view = _checked(buf, nbytes)
-
-    def drain(mapped: memoryview) -> None:
-        view[:] = mapped
-
-    return drain
 
 
 def unpin(paths: tuple[str, ...] | list[str]) -> None:

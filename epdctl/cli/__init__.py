@@ -16,6 +16,7 @@ from epdctl.cli.doctor import doctor
 from epdctl.cli.down import down
 from epdctl.cli.logs import logs
 from epdctl.cli.render import render
+from epdctl.cli.restart import restart
 from epdctl.cli.status import status
 from epdctl.cli.top import top
 from epdctl.cli.tune import tune
@@ -64,7 +65,8 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     epdctl logs -f                          all instances' logs, in time order
     epdctl top                              requests, latencies, cache hits, live
     epdctl cache inspect                    the shared-memory encoder cache
-    epdctl down                             stop everything
+    epdctl restart pd-0                     one instance, while the others serve
+    epdctl down                             stop everything (after a drain)
     """
     app = App(verbose=verbose, color=color)
     if state_root is not None:
@@ -72,7 +74,8 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     ctx.obj = app
 
 
-for command in (up, down, status, logs, top, cache, verify, bench, tune, render, doctor):
+for command in (up, down, restart, status, logs, top, cache, verify, bench, tune, render,
+                doctor):
     cli.add_command(command)
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from epdctl.bench.arms import Arm
     from epdctl.bench.workload import Workload
-    from epdctl.state import RunState
+    from epdctl.launch.state import RunState
 
 TICK_EVERY_S = 30.0
 """How often a non-interactive stderr hears that a load point is still running."""
@@ -111,7 +111,7 @@ def print_results(app: App, doc: Mapping[str, Any]) -> None:
 def dry_run(app: App, arms: Sequence[Arm], workload: Workload, as_json: bool) -> None:
     """Each arm's plan and the workload commands it would get; nothing starts."""
     from epdctl.bench.workload import argv, bench_command
-    from epdctl.run import prepare
+    from epdctl.launch.run import prepare
 
     docs = []
     warned: set[str] = set()

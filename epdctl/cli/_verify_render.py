@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from rich.table import Table
 from rich.text import Text
 
-from epdctl.verify import Result
+from epdctl.verifier.probes import Result
 
 
 def verify_table(results: Sequence[Result]) -> Table:

@@ -12,7 +12,7 @@ import click
 from epdctl.cli._app import App, pass_app
 from epdctl.cli._options import point_seconds_option
 from epdctl.cli.bench_compare import BenchCommand
-from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from epdctl.bench.arms import Arm
@@ -57,8 +57,8 @@ def _workload(opts: dict[str, Any]) -> Workload:
 def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...]) -> list[Arm]:
     from epdctl.bench.arms import derive_arms
     from epdctl.errors import AlreadyRunningError
-    from epdctl.state import StateDir
-    from epdctl.topology import load_topology
+    from epdctl.launch.state import StateDir
+    from epdctl.topology.model import load_topology
 
     topology = load_topology(topology_path)
     others = [(p, load_topology(p)) for p in extra]
@@ -143,7 +143,7 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     from epdctl.bench.workload import check
     from epdctl.cli._bench_render import BenchProgress, dry_run, print_results, write_out
     from epdctl.errors import BenchError
-    from epdctl.run import vllm_version
+    from epdctl.launch.resolve import vllm_version
 
     workload = _workload(opts)
     arms = _arms(app, topology_path, baseline, extra)

@@ -74,7 +74,7 @@ def doctor(app: App, ctx: click.Context, topology_path: Path | None, as_json: bo
                   file or ${VAR} that cannot be read)
     """
     from epdctl.doctor import run_checks
-    from epdctl.topology import load_topology
+    from epdctl.topology.model import load_topology
 
     topology = None
     if topology_path is not None:

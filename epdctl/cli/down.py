@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from epdctl.cli._app import App, pass_app
-from epdctl.launcher import STOP_TIMEOUT_S
+from epdctl.launch.drain import DRAIN_S
+from epdctl.launch.processes import STOP_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from epdctl.launch.state import RunState
 
 
 @click.command()
@@ -20,12 +25,18 @@ from epdctl.launcher import STOP_TIMEOUT_S
               "(works when state.json is corrupt or gone).")
 @click.option("--keep-cache", "should_keep_cache", is_flag=True,
               help="Keep the EC store files (as `cache.keep_on_down: true` does).")
+@click.option("--drain", "drain_s", type=click.FloatRange(min=0), default=DRAIN_S,
+              show_default=True, metavar="SECONDS",
+              help="First let the requests in flight finish, for up to SECONDS: the proxy "
+              "admits nothing new meanwhile (503 with Retry-After).")
+@click.option("--no-drain", "drain_s", flag_value=0.0,
+              help="Stop at once: requests in flight are cut.")
 @pass_app
 def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
-         should_keep_cache: bool) -> None:
-    """Stop a running topology and remove its state"""
+         should_keep_cache: bool, drain_s: float) -> None:
+    """Stop a running topology and remove its state (after a drain: see --drain)"""
     from epdctl.errors import NotRunningError, StateError
-    from epdctl.run import find, stop
+    from epdctl.launch.run import find, stop
 
     sdir = find(app.state_root, name)
     try:
@@ -34,6 +45,8 @@ def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
         if not should_scan:
             raise
         state = None
+    if state is not None and drain_s > 0:
+        _drain(app, state, drain_s)
     result = stop(sdir, state, timeout_s, should_scan=should_scan,
                   should_keep_cache=should_keep_cache)
     topo = sdir.path.name
@@ -55,3 +68,14 @@ def down(app: App, name: str | None, timeout_s: float, should_scan: bool,
         what = "EC store" if state.is_our_store else f"{state.ec_connector} files"
         app.err.print(f"Kept the {what} {state.store_dir}", markup=False)
     app.err.print(f"Logs are kept in {sdir.logs_dir}", markup=False)
+
+
+def _drain(app: App, state: RunState, seconds: float) -> None:
+    """The proxy's requests in flight answered before the stop (nothing where it is gone)."""
+    from epdctl.launch.drain import drain_proxy
+
+    with app.err.status(f"Draining {state.name}: the requests in flight finish "
+                        f"(up to {seconds:g}s)..."):
+        drained = drain_proxy(state, seconds)
+    if drained is not None and (drained.finished or drained.in_flight):
+        app.err.print(drained.line(state.name), markup=False)

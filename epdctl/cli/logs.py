@@ -14,8 +14,8 @@ import click
 from epdctl.cli._app import App, pass_app
 
 if TYPE_CHECKING:
+    from epdctl.launch.state import RunState, StateDir
     from epdctl.logs import Writer
-    from epdctl.state import RunState, StateDir
 
 DEFAULT_LINES = 10
 HINT = ("instances name requests in their logs only with `engine.log_requests: true` in the "
@@ -23,7 +23,7 @@ HINT = ("instances name requests in their logs only with `engine.log_requests: t
 
 
 def _age(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
-    from epdctl.topology import parse_duration
+    from epdctl.topology.model import parse_duration
 
     try:
         return None if value is None else parse_duration(value)
@@ -62,8 +62,8 @@ def logs(app: App, instances: tuple[str, ...], should_follow: bool, lines: int |
          since_s: float | None, pattern: re.Pattern[str] | None, show_probes: bool,
          request_id: str | None, as_json: bool, name: str | None) -> None:
     """Print instance logs in time order, as `time instance | line`"""
+    from epdctl.launch.state import find_state_dir
     from epdctl.logs import JsonPrinter, Printer, follow, matcher, show, wants_colour
-    from epdctl.state import find_state_dir
 
     if request_id is not None and should_follow:
         raise click.UsageError("--request and --follow do not go together")

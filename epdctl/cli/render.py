@@ -115,7 +115,7 @@ def k8s(
     not exist here), a Hugging Face id is downloaded into the pods' cache.
     """
     from epdctl.render import K8sOptions, dump_all, render_k8s, write_dir
-    from epdctl.topology import load_topology
+    from epdctl.topology.model import load_topology
 
     # A model path is the pods', not this machine's: kept as written, need not exist here.
     topology = load_topology(topology_path, is_here=False)

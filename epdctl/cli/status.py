@@ -12,7 +12,7 @@ from epdctl.cli._app import App, pass_app
 from epdctl.cli.views import percent, proxy_url, status_table
 
 if TYPE_CHECKING:
-    from epdctl.state import Record, RunState, SpecModel, StateDir
+    from epdctl.launch.state import Record, RunState, SpecModel, StateDir
 
 
 def _rss(pid: int) -> int | None:
@@ -33,18 +33,20 @@ def _rss(pid: int) -> int | None:
 
 
 def _instance(spec: SpecModel, record: Record | None, now: float) -> dict[str, Any]:
-    from epdctl.readiness import is_ready, judge
-    from epdctl.state import process_matches
+    from epdctl.launch.readiness import is_ready, judge
+    from epdctl.launch.state import process_matches
 
     row: dict[str, Any] = {
         "name": spec.name, "role": spec.role, "gpus": spec.gpus, "port": spec.port,
         "url": spec.url, "pid": None, "state": "starting",
         "uptime_s": None, "rss_bytes": None, "restarts": 0, "exit_code": None,
-        "log": spec.log_path,
+        "log": spec.log_path, "error": None,
     }
     if record is None:
         return row
     row.update(pid=record.pid, restarts=record.restarts, exit_code=record.exit_code)
+    if record.state == "failed":  # out of restarts: the supervisor gave up on it
+        return {**row, "state": "failed", "error": record.error}
     match = process_matches(record.pid, record.create_time)
     row["state"] = judge(match, bool(match) and is_ready(spec.health_url),
                          record.ready_at is not None)
@@ -83,8 +85,8 @@ def cache_line(cache: dict[str, Any]) -> str | None:
 
 def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
     """The `status --json` document (stable keys)."""
-    from epdctl.safety import run_safety
-    from epdctl.state import process_matches
+    from epdctl.launch.exposure import run_safety
+    from epdctl.launch.state import process_matches
 
     now = time.time()
     instances = [_instance(s, state.records.get(s.name), now) for s in state.specs]
@@ -113,7 +115,7 @@ def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
 def status(app: App, ctx: click.Context, name: str | None, as_json: bool,
            should_watch: bool) -> None:
     """Show each instance's state; exit 0 only when all are ready"""
-    from epdctl.state import find_state_dir
+    from epdctl.launch.state import find_state_dir
 
     sdir = find_state_dir(app.state_root, name)
     doc = collect(sdir, sdir.read())
@@ -136,9 +138,12 @@ def status(app: App, ctx: click.Context, name: str | None, as_json: bool,
         line = cache_line(doc["cache"])
         if line:
             app.out.print(line, markup=False, highlight=False)
-        from epdctl.safety import safety_line
+        from epdctl.launch.exposure import safety_line
 
         app.out.print(safety_line(doc["safety"]), markup=False, highlight=False)
+        for row in doc["instances"]:
+            if row["error"] and row["error"] not in (doc["error"] or ""):
+                app.err.print(row["error"], markup=False)
         if doc["error"]:
             app.err.print(doc["error"], markup=False)
     ctx.exit(0 if doc["ready"] else 1)

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from epdctl.cli._app import App, pass_app
 
+if TYPE_CHECKING:
+    from epdctl.launch.state import RunState, StateDir
+
 REFRESH_S = 1.0
+
+
+def _latest(sdir: StateDir, state: RunState) -> RunState:
+    """state.json as the supervisor wrote it last; the one we had once it is gone (`down`)."""
+    from epdctl.errors import EpdctlError
+
+    try:
+        return sdir.read()
+    except EpdctlError:
+        return state
 
 
 @click.command()
@@ -23,7 +37,7 @@ REFRESH_S = 1.0
 @pass_app
 def top(app: App, name: str | None, is_once: bool, as_json: bool, interval_s: float) -> None:
     """Watch requests, queues, latencies and the encoder cache live"""
-    from epdctl.state import find_state_dir
+    from epdctl.launch.state import find_state_dir
     from epdctl.top import sample, summary, view
 
     sdir = find_state_dir(app.state_root, name)
@@ -46,6 +60,7 @@ def top(app: App, name: str | None, is_once: bool, as_json: bool, interval_s: fl
                   auto_refresh=False) as live:
             while True:
                 time.sleep(interval_s)
+                state = _latest(sdir, state)  # an instance may have failed meanwhile
                 history.append(sample.take(state))
                 while history[0].at < history[-1].at - keep_s:
                     history.pop(0)

@@ -5,15 +5,19 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from epdctl.cli._app import App, pass_app
 from epdctl.cli._options import point_seconds_option
-from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 from epdctl.tune.decide import MAX_CONFIRM
 from epdctl.tune.search import KNEE_FACTORS, KNEE_STEP, KNEE_STEPS
+
+if TYPE_CHECKING:
+    from epdctl.topology.model import Topology
+    from epdctl.tune.runner import Settings
 
 
 def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
@@ -81,45 +85,18 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
          out_dir: Path | None, write_path: Path | None, as_json: bool, timeout_s: float,
          **opts: Any) -> None:
     """Recommend a topology for a workload and an SLO: profile, predict, confirm with bench"""
-    from epdctl.bench.workload import LoadPoint, Workload, parse_image_size, parse_slo
-    from epdctl.cli._tune_render import hints, left_out, text_table, write_out
-    from epdctl.errors import BenchError
-    from epdctl.topology import load_topology, parse_duration
+    from epdctl.cli._tune_render import write_out
+    from epdctl.topology.model import load_topology
     from epdctl.tune import live
     from epdctl.tune.candidates import request_tokens
-    from epdctl.tune.facts import model_facts
-    from epdctl.tune.model import Slo
     from epdctl.tune.probes import Bodies
-    from epdctl.tune.runner import Settings
     from epdctl.tune.runner import tune as run_tune
 
     base = load_topology(topology_path)
-    pairs = parse_slo(slo)
-    limits = dict(pairs)
-    if "e2el" in limits:
-        raise BenchError("--slo: tune takes ttft and tpot (goodput's SLO), not e2el")
-    try:
-        budget_s = parse_duration(budget)
-    except ValueError as exc:
-        raise BenchError(f"--budget: {exc}") from None
-    workload = Workload(points=(LoadPoint(),), num_prompts=opts["num_prompts"],
-                        point_seconds=opts["point_seconds"], seed=opts["seed"],
-                        images=opts["images"],
-                        image_size=parse_image_size(opts["image_size"]),
-                        input_len=opts["input_len"], output_len=opts["output_len"], slo=pairs)
-    facts = model_facts(base.model, facts_file)
-    memory = None
-    if base.device == "cuda":
-        from epdctl.gpus import describe_gpus
-
-        memory = min((g.total_bytes for g in describe_gpus() if g.total_bytes), default=None)
-    out = (out_dir or app.state_root / "tune" / base.name).absolute()
-    settings = Settings(base=base, gpus=_devices(base, gpus), workload=workload,
-                        slo=Slo(limits.get("ttft"), limits.get("tpot")), facts=facts,
-                        gpu_memory=memory, out_dir=out, budget_s=budget_s,
-                        max_confirm=max_confirm)
-    tokens = request_tokens(facts, workload.images, workload.image_size, workload.input_len,
-                            workload.output_len) - workload.output_len
+    settings = _settings(app, base, gpus, slo, budget, max_confirm, facts_file, out_dir, opts)
+    workload, out = settings.workload, settings.out_dir
+    tokens = request_tokens(settings.facts, workload.images, workload.image_size,
+                            workload.input_len, workload.output_len) - workload.output_len
 
     class _Err:
         def line(self, text: str) -> None:
@@ -145,6 +122,50 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
+    _print_report(app, doc)
+
+
+def _settings(app: App, base: Topology, gpus: str | None, slo: str, budget: str,
+              max_confirm: int, facts_file: Path | None, out_dir: Path | None,
+              opts: dict[str, Any]) -> Settings:
+    """The options as the tune loop's settings (--out defaults to <state>/tune/<name>)."""
+    from epdctl.bench.workload import LoadPoint, Workload, parse_image_size, parse_slo
+    from epdctl.errors import BenchError
+    from epdctl.topology.model import parse_duration
+    from epdctl.tune.facts import model_facts
+    from epdctl.tune.model import Slo
+    from epdctl.tune.runner import Settings
+
+    pairs = parse_slo(slo)
+    limits = dict(pairs)
+    if "e2el" in limits:
+        raise BenchError("--slo: tune takes ttft and tpot (goodput's SLO), not e2el")
+    try:
+        budget_s = parse_duration(budget)
+    except ValueError as exc:
+        raise BenchError(f"--budget: {exc}") from None
+    workload = Workload(points=(LoadPoint(),), num_prompts=opts["num_prompts"],
+                        point_seconds=opts["point_seconds"], seed=opts["seed"],
+                        images=opts["images"],
+                        image_size=parse_image_size(opts["image_size"]),
+                        input_len=opts["input_len"], output_len=opts["output_len"], slo=pairs)
+    facts = model_facts(base.model, facts_file)
+    memory = None
+    if base.device == "cuda":
+        from epdctl.host.gpus import describe_gpus
+
+        memory = min((g.total_bytes for g in describe_gpus() if g.total_bytes), default=None)
+    out = (out_dir or app.state_root / "tune" / base.name).absolute()
+    return Settings(base=base, gpus=_devices(base, gpus), workload=workload,
+                    slo=Slo(limits.get("ttft"), limits.get("tpot")), facts=facts,
+                    gpu_memory=memory, out_dir=out, budget_s=budget_s,
+                    max_confirm=max_confirm)
+
+
+def _print_report(app: App, doc: dict[str, Any]) -> None:
+    """The report as text on stdout: the table, the verdict, what was left out, hints."""
+    from epdctl.cli._tune_render import hints, left_out, text_table
+
     app.out.print(text_table(doc), markup=False)
     app.out.print(f"best measured: {doc['best'] or '-'}; stopped: {doc['stop_reason']}",
                   markup=False)

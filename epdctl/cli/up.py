@@ -12,12 +12,12 @@ from rich.text import Text
 
 from epdctl.cli._app import App, pass_app
 from epdctl.cli.views import Progress, summary
-from epdctl.interrupts import unwinding
-from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.host.interrupts import unwinding
+from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
-    from epdctl.run import Run
-    from epdctl.state import RunState
+    from epdctl.launch.run import Run
+    from epdctl.launch.state import RunState
 
 
 def _warn(app: App) -> Callable[[str], None]:
@@ -25,14 +25,15 @@ def _warn(app: App) -> Callable[[str], None]:
 
 
 def _foreground(app: App, run: Run, timeout_s: float) -> int:
-    from epdctl.run import start_foreground
+    from epdctl.launch.run import start_foreground
 
     progress = Progress(app)
 
     def ready(state: RunState) -> None:
         progress.close()
         app.out.print(summary(state))
-        app.err.print("Ctrl+C stops everything.", markup=False)
+        app.err.print("Ctrl+C drains (the requests in flight finish), then stops everything; "
+                      "twice stops at once.", markup=False)
 
     try:
         return start_foreground(run, timeout_s, on_change=progress.update, on_ready=ready)
@@ -42,7 +43,7 @@ def _foreground(app: App, run: Run, timeout_s: float) -> int:
 
 @unwinding()  # SIGTERM and SIGHUP too abandon the start, as Ctrl+C does
 def _detached(app: App, run: Run, timeout_s: float) -> None:
-    from epdctl.run import start_detached
+    from epdctl.launch.run import start_detached
 
     progress = Progress(app)
     try:
@@ -67,7 +68,7 @@ def _detached(app: App, run: Run, timeout_s: float) -> None:
 def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
        is_dry_run: bool) -> None:
     """Start a topology and wait until every instance is ready"""
-    from epdctl.run import prepare
+    from epdctl.launch.run import prepare
 
     run = prepare(topology_path, app.state_root, is_dry_run=is_dry_run, warn=_warn(app))
     if is_dry_run:

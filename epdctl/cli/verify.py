@@ -11,21 +11,21 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from epdctl.cli._app import App, pass_app
-from epdctl.interrupts import unwinding
-from epdctl.readiness import STARTUP_TIMEOUT_S
+from epdctl.host.interrupts import unwinding
+from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
-    from epdctl.launcher import Proc
-    from epdctl.spec import LaunchSpec
-    from epdctl.state import RunState, StateDir
-    from epdctl.topology import Topology
-    from epdctl.verify import Probe, Result
+    from epdctl.launch.processes import Proc
+    from epdctl.launch.spec import LaunchSpec
+    from epdctl.launch.state import RunState, StateDir
+    from epdctl.topology.model import Topology
+    from epdctl.verifier.probes import Probe, Result, Target
 
 
 def _specs(app: App, topology_path: Path, topology: Topology, sdir: StateDir
            ) -> list[LaunchSpec]:
     """The running (else the planned) instances: the baseline mirrors the PD/prefill one."""
-    from epdctl.run import prepare
+    from epdctl.launch.run import prepare
 
     if sdir.is_running():
         return [s.spec() for s in sdir.read().specs]
@@ -35,7 +35,7 @@ def _specs(app: App, topology_path: Path, topology: Topology, sdir: StateDir
 def _up(app: App, topology_path: Path, topology: Topology, timeout_s: float) -> RunState:
     """Start the topology detached; progress and summary on stderr (stdout is the report's)."""
     from epdctl.cli.views import Progress, summary
-    from epdctl.run import prepare, start_detached
+    from epdctl.launch.run import prepare, start_detached
 
     run = prepare(topology_path, app.state_root, topology=topology)
     progress = Progress(app)
@@ -48,7 +48,7 @@ def _up(app: App, topology_path: Path, topology: Topology, timeout_s: float) -> 
 
 
 def _stop_topology(app: App, sdir: StateDir) -> None:
-    from epdctl.run import stop
+    from epdctl.launch.run import stop
 
     state = sdir.read()
     app.err.print(f"Stopping {state.name} (verify started it; --keep leaves it running)",
@@ -74,14 +74,11 @@ def _stop_topology(app: App, sdir: StateDir) -> None:
 def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | None,
            baseline_gpus: str | None, should_keep: bool, timeout_s: float) -> None:
     """Check a topology's answers against an aggregated baseline, with EC cache hits"""
-    from epdctl import baseline as base
-    from epdctl.cli._verify_render import mismatches, verify_table
-    from epdctl.cli.views import proxy_url
-    from epdctl.errors import VerifyError
-    from epdctl.run import require_ready
-    from epdctl.state import StateDir
-    from epdctl.topology import load_topology, require_local_model
-    from epdctl.verify import Target, probe_for, prompts_for, report, run_prompts, taken_modalities
+    from epdctl.launch.run import require_ready
+    from epdctl.launch.state import StateDir
+    from epdctl.topology.model import load_topology, require_local_model
+    from epdctl.verifier import baseline as base
+    from epdctl.verifier.probes import report
 
     topology = load_topology(topology_path)
     require_local_model(topology)
@@ -110,20 +107,8 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
             base.wait_ready(*baseline, deadline, timeout_s)
             baseline_url = baseline[0].url
         assert baseline_url is not None
-        key = state.proxy_api_key
-        mine = Target(proxy_url(state), state.model_name,
-                      {"authorization": f"Bearer {key}"} if key else {})
-        theirs = Target(baseline_url, model or base.first_model(baseline_url))
-        probe = probe_for(state.ec_connector, Path(state.store_dir)) \
-            if "encode" in topology.roles else None
-        app.err.print(f"Sending the prompts to {mine.url} and {theirs.url}", markup=False)
-        # Every modality the answering engines let in (--limit-mm-per-prompt), and only
-        # those: a modality the model does not take is vLLM's 400.
-        final = topology.roles.get("prefill_decode") or topology.roles.get("decode")
-        taken = taken_modalities([*topology.engine.args, *(final.args if final else [])])
-        results = run_prompts(
-            mine, theirs, probe, prompts_for(taken), on_result=lambda r: app.err.print(
-                f"  {r.prompt.name}: {'ok' if r.is_ok else 'FAILED'}", markup=False))
+        mine, theirs = _targets(state, baseline_url, model)
+        probe, results = _run_prompts(app, topology, state, mine, theirs)
     finally:
         if baseline is not None:
             base.stop(*baseline, sdir.path)
@@ -139,7 +124,48 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
                      "pid": baseline[1].pid if baseline else None,
                      "log": str(baseline[0].log_path) if baseline else None},
     }
-    doc = report(results, **meta)
+    _finish(app, report(results, **meta), results, check, state, as_json)
+
+
+def _targets(state: RunState, baseline_url: str, model: str | None) -> tuple[Target, Target]:
+    """The topology's proxy (with its API key) and the baseline, each with its model."""
+    from epdctl.cli.views import proxy_url
+    from epdctl.verifier import baseline as base
+    from epdctl.verifier.probes import Target
+
+    key = state.proxy_api_key
+    mine = Target(proxy_url(state), state.model_name,
+                  {"authorization": f"Bearer {key}"} if key else {})
+    theirs = Target(baseline_url, model or base.first_model(baseline_url))
+    return mine, theirs
+
+
+def _run_prompts(app: App, topology: Topology, state: RunState, mine: Target, theirs: Target
+                 ) -> tuple[Probe | None, list[Result]]:
+    """Send the prompts to both, one line on stderr each; the EC probe that watched them."""
+    from epdctl.verifier.probes import probe_for, run_prompts
+    from epdctl.verifier.prompts import prompts_for, taken_modalities
+
+    probe = probe_for(state.ec_connector, Path(state.store_dir)) \
+        if "encode" in topology.roles else None
+    app.err.print(f"Sending the prompts to {mine.url} and {theirs.url}", markup=False)
+    # Every modality the answering engines let in (--limit-mm-per-prompt), and only
+    # those: a modality the model does not take is vLLM's 400.
+    final = topology.roles.get("prefill_decode") or topology.roles.get("decode")
+    taken = taken_modalities([*topology.engine.args, *(final.args if final else [])])
+    results = run_prompts(
+        mine, theirs, probe, prompts_for(taken), on_result=lambda r: app.err.print(
+            f"  {r.prompt.name}: {'ok' if r.is_ok else 'FAILED'}", markup=False))
+    return probe, results
+
+
+def _finish(app: App, doc: dict[str, Any], results: Sequence[Result], check: str | None,
+            state: RunState, as_json: bool) -> None:
+    """Print the report; raise VerifyError unless every answer was equal and the EC transfer
+    was seen (when it can be)."""
+    from epdctl.cli._verify_render import mismatches, verify_table
+    from epdctl.errors import VerifyError
+
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -158,7 +184,7 @@ def verify(app: App, topology_path: Path, as_json: bool, baseline_url: str | Non
 
 def _cache_check(probe: Probe | None, has_encoder: bool) -> str | None:
     """What verify checked of the EC transfer: `store` counters, `files`, or `none`."""
-    from epdctl.verify import FileProbe, StoreProbe
+    from epdctl.verifier.probes import FileProbe, StoreProbe
 
     if not has_encoder:
         return None

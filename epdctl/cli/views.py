@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 from rich.text import Text
 
-from epdctl.state import RunState
+from epdctl.launch.state import RunState
 from epdctl.units import format_bytes
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from epdctl.cli._app import App
 
 STATE_STYLE = {"ready": "green", "starting": "yellow", "pending": "dim", "backoff": "yellow",
-               "unhealthy": "red", "exited": "red", "stale": "magenta"}
+               "unhealthy": "red", "exited": "red", "failed": "red", "stale": "magenta"}
 
 
 def duration(seconds: float | None) -> str:

@@ -14,19 +14,6 @@ from pathlib import Path
 
 from epdctl.cache import CONNECTOR_NAME
 from epdctl.cache.capacity import DiskUsage
-from epdctl.doctor._check import Check, Completed, Runner, Status, run_command
-from epdctl.doctor._engine import (
-    EnvReport,
-    check_ec_connector,
-    check_kv_connector,
-    check_plugin,
-    check_vllm,
-    ec_module,
-    engine_python,
-    kv_module,
-    probe_environment,
-    vllm_requirement,
-)
 from epdctl.doctor._host import (
     Gpus,
     check_ec_store,
@@ -38,25 +25,36 @@ from epdctl.doctor._host import (
     is_writable,
 )
 from epdctl.doctor._safety import check_safety
-from epdctl.doctor._topology import check_combinations, check_model, kv_connector
+from epdctl.doctor._topology import check_combinations, check_model
+from epdctl.doctor._vllm import check_plugin, check_vllm, vllm_requirement
 from epdctl.errors import PlanError
-from epdctl.gpus import GpuInfo
-from epdctl.plan import Plan, plan
-from epdctl.spec import LaunchSpec
-from epdctl.topology import Role, Topology, parse_topology
+from epdctl.host.gpus import GpuInfo
+from epdctl.launch.plan import Plan, plan
+from epdctl.launch.preflight import (
+    Check,
+    Completed,
+    Runner,
+    Status,
+    check_ec_connector,
+    check_kv_connector,
+    connectors,
+    modules,
+    probe,
+    run_command,
+)
+from epdctl.topology.model import Role, Topology, parse_topology
 
-__all__ = ["Check", "Completed", "Probes", "Runner", "Status", "connector_problems",
-           "run_checks"]
+__all__ = ["Check", "Completed", "Probes", "Runner", "Status", "run_checks"]
 
 
 def _describe_gpus() -> list[GpuInfo]:
-    from epdctl.gpus import describe_gpus
+    from epdctl.host.gpus import describe_gpus
 
     return describe_gpus()
 
 
 def _check_plan_ports(placed: Plan) -> None:
-    from epdctl.ports import check_plan_ports
+    from epdctl.launch.ports import check_plan_ports
 
     check_plan_ports(placed)
 
@@ -104,48 +102,10 @@ def _plans(topology: Topology, state_dir: Path, gpus: Gpus,
         return error, None, plan(one, state_dir, visible_gpus=["0"], cpu_count=cpu_count)
 
 
-def _connectors(topology: Topology | None) -> tuple[str | None, str | None]:
-    """The KV connector and the EC connector the topology's engines get (None: none)."""
-    if topology is None:
-        return None, None
-    ec = topology.cache.connector if "encode" in topology.roles else None
-    return kv_connector(topology), ec
-
-
-def _modules(kv: str | None, ec: str | None) -> list[str]:
-    return [m for m in (kv_module(kv), ec and ec_module(ec)) if m]
-
-
-def _probe(engine: LaunchSpec, modules: list[str],
-           probes: Probes) -> tuple[str | None, EnvReport | None]:
-    """The engine's Python, and what the probe found there (None: no Python found)."""
-    python = engine_python(list(engine.command[:-1]), probes.which)
-    env = {**probes.environ, **engine.env}
-    return python, probe_environment(python, env, modules, probes.run) if python else None
-
-
-def connector_problems(topology: Topology, placed: Plan,
-                       probes: Probes | None = None) -> list[str]:
-    """A KV or EC connector whose package (or `module:Class`) does not import in the engines'
-    Python, one line each: `up` refuses these before anything starts. Nothing is probed when
-    the connectors need nothing beyond vLLM and epdctl; an engine Python that cannot be
-    probed is left to the engines (and `doctor`) to report."""
-    kv, ec = _connectors(topology)
-    modules = _modules(kv, ec)
-    if not modules:
-        return []
-    probes = probes or Probes()
-    _, report = _probe(placed.instances[0], modules, probes)
-    if report is None or report.error:
-        return []
-    checks = (check_kv_connector(kv, report), check_ec_connector(ec, report))
-    return [f"{c.detail}; {c.fix}" if c.fix else c.detail for c in checks if c.status == "fail"]
-
-
 def store_line(topology: Topology, state_dir: Path) -> str:
     """Where the run's EC store will be, and whether it is private, in a few words."""
-    from epdctl.private import dir_problem
-    from epdctl.store_root import resolve_root, uses_store
+    from epdctl.cache.store_root import resolve_root, uses_store
+    from epdctl.host.private import dir_problem
 
     if not uses_store(topology):
         return "no EC store in cache.dir (no encode role, or a connector that keeps none)"
@@ -181,8 +141,8 @@ def run_checks(topology: Topology | None, state_root: Path,
     engine = shown.instances[0]
     command = list(engine.command[:-1])  # the engine command, without the model
     env = {**probes.environ, **engine.env}
-    connector, ec = _connectors(topology)
-    python, report = _probe(engine, _modules(connector, ec), probes)
+    connector, ec = connectors(topology)
+    python, report = probe(engine, modules(connector, ec), probes)
     checks = [check_vllm(command, env, probes.run, probes.which, probes.vllm_requirement)]
     if topology is not None and "encode" not in topology.roles:
         checks.append(Check("plugin", "skip", "no encode role: the EC connector is not used"))

@@ -8,14 +8,14 @@ from pathlib import Path
 
 from epdctl.cache import CONNECTOR_NAME, default_store_root
 from epdctl.cache.capacity import DiskUsage, capacity_problem
-from epdctl.doctor._check import Check
-from epdctl.ec_connectors import EXAMPLE
 from epdctl.errors import PlanError
-from epdctl.gpus import GpuInfo
-from epdctl.plan import Plan
-from epdctl.private import dir_problem
-from epdctl.shm import SHM
-from epdctl.topology import Topology
+from epdctl.host.gpus import GpuInfo
+from epdctl.host.private import dir_problem
+from epdctl.host.shm import SHM
+from epdctl.launch.plan import Plan
+from epdctl.launch.preflight import Check
+from epdctl.topology.ec_names import EXAMPLE
+from epdctl.topology.model import Topology
 from epdctl.units import format_bytes
 
 # What vLLM 0.32 takes of a GPU when a role sets no gpu_memory_utilization (CacheConfig).

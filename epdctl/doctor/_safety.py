@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from epdctl import keys
-from epdctl.doctor._check import Check
 from epdctl.errors import TopologyError
-from epdctl.topology import Topology
+from epdctl.launch.preflight import Check
+from epdctl.topology import keys
+from epdctl.topology.model import Topology
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

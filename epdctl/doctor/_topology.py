@@ -6,9 +6,9 @@ import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
-from epdctl.doctor._check import Check
-from epdctl.plan import Plan, flag_value, kv_transfer_config
-from epdctl.topology import Topology
+from epdctl.launch.plan import Plan, flag_value
+from epdctl.launch.preflight import Check, kv_connector
+from epdctl.topology.model import Topology
 
 _TRUE = ("1", "true", "yes", "on")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -79,14 +79,6 @@ def check_model(topology: Topology, environ: Mapping[str, str], python: str | No
     return Check("model", "warn", f"{shown} is not in the Hugging Face cache ({hub}): the "
                  "first `up` downloads it", f"download it ahead: {download} (a gated model "
                  "needs HF_TOKEN)")
-
-
-def kv_connector(topology: Topology) -> str | None:
-    """The KV connector prefill and decode get, or None without a prefill/decode split."""
-    if "prefill" not in topology.roles:
-        return None
-    # The state dir only places ExampleConnector's files; the name does not depend on it.
-    return str(kv_transfer_config(topology, "prefill", Path("."))["kv_connector"])
 
 
 def check_combinations(topology: Topology, plan: Plan | None) -> list[Check]:

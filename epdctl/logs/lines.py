@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from epdctl.launch.spec import PROBE_PATHS
 from epdctl.logs.stamps import Stamps
 from epdctl.logs.times import own_time
-from epdctl.spec import PROBE_PATHS
 
 TimeSource = Literal["own", "written", "inherited", "unknown"]
 """own: the line's own time; written: when it was written (the supervisor's note, or when

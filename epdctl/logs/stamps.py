@@ -15,7 +15,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from epdctl.private import open_append
+from epdctl.host.private import open_append
 
 STAMP_INTERVAL_S = 1.0
 SLACK_S = STAMP_INTERVAL_S + 0.5

@@ -1,4 +1,4 @@
-"""python -m epdctl.proxy: the proxy as its own process (argv built by epdctl.plan)."""
+"""python -m epdctl.proxy: the proxy as its own process (argv built by epdctl.launch.plan)."""
 
 from __future__ import annotations
 
@@ -50,10 +50,11 @@ async def serve(config: ProxyConfig) -> list[int]:
     lines = LineWriter()
     async with upstream_client(config) as client:
         app = create_app(config, client, lines)
-        # "auto": httptools when installed (a dependency), else uvicorn's pure-Python h11.
         server = Server(uvicorn.Config(
-            app, host=config.host, port=config.port, http="auto", lifespan="off",
-            access_log=False, log_level="warning", timeout_keep_alive=30, backlog=4096))
+            app, host=config.host, port=config.port, http=http_protocol(), lifespan="off",
+            access_log=False, log_level="warning", timeout_keep_alive=30, backlog=4096,
+            # Nothing reads the client's address or scheme: no X-Forwarded-* rewrite.
+            proxy_headers=False))
         health = asyncio.create_task(app.state.proxy.run_health_checks())
         log.info("proxy on http://%s:%d mode=%s encode=%s prefill_decode=%s prefill=%s "
                  "decode=%s rewrite=%s ec=%s skip_cached=%s overlap=%s auth=%s client=%s",
@@ -89,6 +90,16 @@ def upstream_client(config: ProxyConfig) -> Any:
     from epdctl.proxy.transport.aiohttp_impl import session
 
     return session(config.connect_timeout_s, config.decode_timeout_s, KEEPALIVE_EXPIRY_S)
+
+
+def http_protocol() -> Any:
+    """uvicorn's httptools protocol with an answer's writes combined (server/writes.py), when
+    httptools is installed (a dependency where it builds); else "auto": uvicorn's h11."""
+    try:
+        from epdctl.proxy.server.writes import Protocol
+    except ImportError:
+        return "auto"
+    return Protocol
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -77,12 +77,14 @@ def _written(part: dict[str, Any]) -> bytes | str:
     """orjson's bytes for a part, but for its large plain strings (a data URL), spliced into
     them as they are: the same JSON, one copy of each string, no reservation for it."""
     large: list[str] = []
-    token = os.urandom(8).hex()
+    token = ""  # made for the first large string: most parts have none
 
     def stand_in(value: Any) -> Any:
+        nonlocal token
         if isinstance(value, dict) and not isinstance(value, Shared):
             return {k: stand_in(v) for k, v in value.items()}
         if isinstance(value, str) and len(value) >= LARGE_BYTES and _is_plain(value):
+            token = token or os.urandom(8).hex()
             large.append(value)
             return f"{token}-{len(large) - 1}"
         return value

@@ -30,6 +30,8 @@ class Instance:
     is_ejected: bool = False
     lives: int = 0
     """Probes that succeeded after a failed one: a new life (a restart) begins with each."""
+    is_draining: bool = False
+    """Sent nothing new until re-admitted (`epdctl restart`): what it has in flight ends."""
 
 
 @dataclass(eq=False)
@@ -39,6 +41,8 @@ class Pool:
     role: str
     instances: list[Instance]
     _turn: int = field(default=0, repr=False)
+    draining: int = 0
+    """How many of its instances are draining (most of the time none: nothing to look at)."""
 
     def pick(self, avoid: Instance | None = None, key: str | None = None) -> Instance:
         """Least outstanding requests among healthy instances, other than `avoid` if possible.
@@ -49,7 +53,7 @@ class Pool:
         comes back), unless it is busier than the least busy by more than the slack.
         """
         pool = self.instances
-        healthy = [i for i in pool if not i.is_ejected]
+        healthy = [i for i in pool if not i.is_ejected and not i.is_draining]
         candidates = [i for i in healthy if i is not avoid] or healthy or \
             [i for i in pool if i is not avoid] or pool
         n = len(candidates)
@@ -67,7 +71,11 @@ class Pool:
 
     @property
     def healthy(self) -> list[Instance]:
-        return [i for i in self.instances if not i.is_ejected]
+        """The instances that take new requests: not ejected, not draining."""
+        return [i for i in self.instances if not i.is_ejected and not i.is_draining]
+
+    def find(self, url: str) -> Instance | None:
+        return next((i for i in self.instances if i.url == url.rstrip("/")), None)
 
 
 def _score(url: str, key: str) -> bytes:
@@ -87,7 +95,33 @@ class Upstreams:
         # Encoders are optional: without one, PD encodes the media itself.
         self.required = [r for r in ("prefill_decode", "prefill", "decode") if r in self.pools]
         self.revived: set[asyncio.Future[None]] = set()
-        """Set when an instance begins a new life (replay.py waits on them)."""
+        """Set when an instance begins a new life or is re-admitted after a drain (replay.py
+        and generate.py wait on them)."""
+
+    def find(self, url: str) -> tuple[Pool, Instance] | None:
+        """The pool and instance at `url`, if the proxy routes to it."""
+        for pool in self.pools.values():
+            inst = pool.find(url)
+            if inst is not None:
+                return pool, inst
+        return None
+
+    def set_draining(self, pool: Pool, inst: Instance, is_draining: bool) -> None:
+        """Stop sending `inst` new requests, or take it back (then whoever waits for an
+        instance of its role looks again)."""
+        if inst.is_draining == is_draining:
+            return
+        inst.is_draining = is_draining
+        pool.draining += 1 if is_draining else -1
+        log.warning("%s %s instance %s", "draining" if is_draining else "re-admitting",
+                    inst.role, inst.url)
+        if not is_draining:
+            self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self.revived:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def record_probe(self, inst: Instance, is_ok: bool) -> None:
         """Eject after `eject_after` consecutive failures; one success re-admits."""
@@ -96,9 +130,7 @@ class Upstreams:
                 log.warning("re-admitting %s instance %s", inst.role, inst.url)
             if inst.failures:
                 inst.lives += 1
-                for waiter in self.revived:
-                    if not waiter.done():
-                        waiter.set_result(None)
+                self._wake()
             inst.failures = 0
             inst.is_ejected = False
             return
@@ -135,7 +167,12 @@ class Upstreams:
             outs = [i.url for i in pool.instances if i.is_ejected]
             roles[role] = {"in": ins, "out": outs} if with_urls else {"in": len(ins),
                                                                       "out": len(outs)}
-        is_ok = all(self.pools[r].healthy for r in self.required)
+            if pool.draining:  # in, yet sent nothing new: a request waits for it (replay_wait)
+                draining = [i.url for i in pool.instances if i.is_draining]
+                roles[role]["draining"] = draining if with_urls else len(draining)
+        # A role whose instances all drain is not down: its requests wait for one.
+        is_ok = all(any(not i.is_ejected for i in self.pools[r].instances)
+                    for r in self.required)
         degraded = any(pool.healthy != pool.instances for pool in self.pools.values())
         status = "unavailable" if not is_ok else "degraded" if degraded else "ok"
         return is_ok, {"status": status, "roles": roles}

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from epdctl.engines.guard import KEY_ENV
-from epdctl.keys import has_api_key
 from epdctl.proxy.config import API_KEY_ENV, UPSTREAM_KEY_ENV
-from epdctl.topology import Topology
+from epdctl.topology.keys import has_api_key
+from epdctl.topology.model import Topology
 
 HTTP_PORT = 8000
 NIXL_PORT = 5600
@@ -27,6 +27,7 @@ CONFIG_DIR = "/etc/epdctl"
 # Topology fields added after the checksum below was first rendered.
 LATER_CACHE_FIELDS = ("connector", "extra_config")
 LATER_ENGINE_FIELDS = ("log_requests",)
+LATER_RESTART_FIELDS = ("window", "max_backoff")
 
 Obj = dict[str, Any]
 
@@ -132,7 +133,9 @@ def _template(topology: Topology, role: str, pod: Obj, extra: Mapping[str, str] 
     later = {"cache": {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set}
              | {"dir"},
              "engine": {f for f in LATER_ENGINE_FIELDS
-                        if f not in topology.engine.model_fields_set}}
+                        if f not in topology.engine.model_fields_set},
+             "restart": {f for f in LATER_RESTART_FIELDS
+                         if f not in topology.restart.model_fields_set}}
     digest = hashlib.sha256(topology.model_dump_json(exclude=later).encode()).hexdigest()[:16]
     return {
         "metadata": {"labels": {**labels(topology, role), **extra},

@@ -7,10 +7,10 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from epdctl import cache
-from epdctl.keys import env_name, has_api_key, literal_key
-from epdctl.plan import Plan
+from epdctl.launch.plan import Plan
 from epdctl.render import _volumes as v
-from epdctl.topology import Topology
+from epdctl.topology.keys import env_name, has_api_key, literal_key
+from epdctl.topology.model import Topology
 
 if TYPE_CHECKING:
     from epdctl.render._manifests import EngineRole

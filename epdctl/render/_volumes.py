@@ -17,7 +17,7 @@ from epdctl.errors import RenderError
 
 if TYPE_CHECKING:
     from epdctl.render.options import K8sOptions
-    from epdctl.topology import Topology
+    from epdctl.topology.model import Topology
 
 # vllm/vllm-openai runs as root: this is where huggingface_hub caches unless told otherwise.
 HF_HOME = "/root/.cache/huggingface"
@@ -46,7 +46,7 @@ def is_pod_path(model: str) -> bool:
 
 def _is_local_path(model: str) -> bool:
     """Path-like but not absolute: a path on this machine, meaningless in a pod."""
-    from epdctl.topology import is_local_model
+    from epdctl.topology.model import is_local_model
 
     return is_local_model(model) and not is_pod_path(model)
 

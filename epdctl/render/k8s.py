@@ -9,14 +9,14 @@ from typing import Any
 
 from epdctl import cache
 from epdctl.errors import RenderError
-from epdctl.keys import literal_key
-from epdctl.plan import LaunchSpec, plan, proxy_config
+from epdctl.launch.plan import LaunchSpec, plan, proxy_config
+from epdctl.launch.spec import transfer_args
 from epdctl.render import _manifests as m
 from epdctl.render import _volumes
 from epdctl.render._notes import notes as _notes
 from epdctl.render.options import K8sOptions
-from epdctl.spec import transfer_args
-from epdctl.topology import ROLE_NAMES, ROLE_PREFIX, RoleName, Topology
+from epdctl.topology.keys import literal_key
+from epdctl.topology.model import ROLE_NAMES, ROLE_PREFIX, RoleName, Topology
 
 MOONCAKE_PORT = 14579
 # Env the local plan uses to share one machine; pods get whole GPUs and their own ports.
@@ -27,7 +27,7 @@ _LOCAL_ENV = (
     "VLLM_CPU_OMP_THREADS_BIND",
     "VLLM_EC_SIDE_CHANNEL_HOST",
     "VLLM_EC_SIDE_CHANNEL_PORT",
-    "VLLM_RPC_BASE_PATH",  # a directory of the local run, and its temp files (epdctl.ipc)
+    "VLLM_RPC_BASE_PATH",  # a directory of the local run, and its temp files (epdctl.host.ipc)
     "TMPDIR",
     "TORCHINDUCTOR_CACHE_DIR",
 )

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from epdctl.errors import TopologyError
-from epdctl.topology_sections import parse_size
+from epdctl.topology.sections import parse_size
 
 _CONFIG = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 Ms = Annotated[float, Field(ge=0)]

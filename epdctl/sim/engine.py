@@ -140,41 +140,7 @@ def make_app(engine: Engine) -> web.Application:
         return web.Response(text=engine.metrics(), content_type="text/plain")
 
     async def complete(request: web.Request) -> web.StreamResponse:
-        chat = request.path == "/v1/chat/completions"
-        try:
-            body = json.loads(await request.read() or b"{}")
-        except ValueError:
-            return _json(400, {"error": {"message": "body is not JSON", "code": 400}})
-        if not isinstance(body, dict):
-            return _json(400, {"error": {"message": "body must be an object", "code": 400}})
-        work = parse_work(body, chat, engine.cost.model)
-        job = engine.job(work, body)
-        if job.prompt_tokens + job.output_tokens > engine.opts.max_model_len:
-            return _json(400, {"error": {"message": f"{job.prompt_tokens} prompt tokens + "
-                                         f"{job.output_tokens} exceed max_model_len "
-                                         f"{engine.opts.max_model_len}", "code": 400}})
-        await engine.pull_kv(job)
-        engine.scheduler.submit(job)
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "created": int(time.time()),
-                "model": engine.opts.name}
-        usage = {"prompt_tokens": job.prompt_tokens}
-        if body.get("stream"):
-            return await _stream(request, engine, job, chat, head, usage, body)
-        try:
-            while await job.events.get():
-                pass
-        except asyncio.CancelledError:
-            job.is_aborted = True
-            raise
-        n = job.generated
-        answer = {**head, "object": "chat.completion" if chat else "text_completion",
-                  "choices": [_choice(chat, TOKEN_TEXT * n, "length", False)],
-                  "usage": {**usage, "completion_tokens": n,
-                            "total_tokens": job.prompt_tokens + n}}
-        if (params := engine.kv_params()) is not None:
-            answer["kv_transfer_params"] = params
-        return _json(200, answer)
+        return await _complete(request, engine)
 
     app = web.Application(middlewares=[guard])
     app.router.add_get("/health", health)
@@ -183,6 +149,52 @@ def make_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/chat/completions", complete)
     app.router.add_post("/v1/completions", complete)
     return app
+
+
+async def _complete(request: web.Request, engine: Engine) -> web.StreamResponse:
+    """/v1/chat/completions and /v1/completions: the request scheduled as a job (a decoder's
+    after pulling its KV), then streamed or answered whole."""
+    chat = request.path == "/v1/chat/completions"
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except ValueError:
+        return _json(400, {"error": {"message": "body is not JSON", "code": 400}})
+    if not isinstance(body, dict):
+        return _json(400, {"error": {"message": "body must be an object", "code": 400}})
+    work = parse_work(body, chat, engine.cost.model)
+    job = engine.job(work, body)
+    if job.prompt_tokens + job.output_tokens > engine.opts.max_model_len:
+        return _json(400, {"error": {"message": f"{job.prompt_tokens} prompt tokens + "
+                                     f"{job.output_tokens} exceed max_model_len "
+                                     f"{engine.opts.max_model_len}", "code": 400}})
+    await engine.pull_kv(job)
+    engine.scheduler.submit(job)
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "created": int(time.time()),
+            "model": engine.opts.name}
+    usage = {"prompt_tokens": job.prompt_tokens}
+    if body.get("stream"):
+        return await _stream(request, engine, job, chat, head, usage, body)
+    return await _whole(engine, job, chat, head, usage)
+
+
+async def _whole(engine: Engine, job: Job, chat: bool, head: dict[str, Any],
+                 usage: dict[str, int]) -> web.Response:
+    """The answer in one body, once the job has generated all its tokens."""
+    try:
+        while await job.events.get():
+            pass
+    except asyncio.CancelledError:
+        job.is_aborted = True
+        raise
+    n = job.generated
+    answer = {**head, "object": "chat.completion" if chat else "text_completion",
+              "choices": [_choice(chat, TOKEN_TEXT * n, "length", False)],
+              "usage": {**usage, "completion_tokens": n,
+                        "total_tokens": job.prompt_tokens + n}}
+    if (params := engine.kv_params()) is not None:
+        answer["kv_transfer_params"] = params
+    return _json(200, answer)
 
 
 async def _stream(request: web.Request, engine: Engine, job: Job, chat: bool,

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from epdctl.bench import stats
+from epdctl.bench import estimates as stats
 from epdctl.bench.workload import WORDS, png
 
 METRICS = ("ttft", "tpot", "itl", "e2el")

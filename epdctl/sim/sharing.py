@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 
 SIM_DIR_ENV = "EPDCTL_SIM_DIR"
-RUN_DIR_ENV = "EPDCTL_RUN_DIR"  # the launcher's mark (epdctl.launcher.MARK_DIR)
+RUN_DIR_ENV = "EPDCTL_RUN_DIR"  # the launcher's mark (epdctl.launch.processes.MARK_DIR)
 
 
 def sim_dir(environ: Mapping[str, str] | None = None) -> Path:

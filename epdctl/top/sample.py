@@ -15,8 +15,8 @@ from epdctl.top.prom import Scrape
 
 if TYPE_CHECKING:
     from epdctl.cache.listing import NamespaceStats
-    from epdctl.gpus import GpuInfo
-    from epdctl.state import RunState
+    from epdctl.host.gpus import GpuInfo
+    from epdctl.launch.state import RunState
 
 FETCH_TIMEOUT_S = 2.0
 
@@ -129,14 +129,14 @@ def _gpu_bytes(state: RunState, by_pid: dict[int, int]) -> dict[str, int]:
 
 
 def _process_memory() -> dict[int, int]:
-    from epdctl.gpus import process_memory
+    from epdctl.host.gpus import process_memory
 
     return process_memory()
 
 
 def _devices() -> list[GpuInfo]:
     from epdctl.errors import PlanError
-    from epdctl.gpus import describe_gpus
+    from epdctl.host.gpus import describe_gpus
 
     try:
         return describe_gpus()

@@ -14,7 +14,7 @@ from epdctl.top.prom import Histogram, Scrape
 from epdctl.top.sample import Sample
 
 if TYPE_CHECKING:
-    from epdctl.state import RunState
+    from epdctl.launch.state import RunState
 
 RATE_WINDOW_S = 5.0
 LATENCY_WINDOW_S = 60.0
@@ -83,6 +83,8 @@ def summarize(state: RunState, samples: Sequence[Sample],
     up = _in_rotation(now.scrapes.get(proxy))
     for row in instances:
         row["in_rotation"] = up.get(row["url"])
+        record = state.records.get(row["name"])
+        row["is_failed"] = record is not None and record.state == "failed"  # out of restarts
     return {
         "name": state.name, "mode": state.mode,
         "time": datetime.fromtimestamp(now.at).astimezone().isoformat(timespec="seconds"),

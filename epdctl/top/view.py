@@ -87,6 +87,8 @@ def _instances(rows: list[dict[str, Any]]) -> Table:
         up = "yes" if r["up"] else "no"
         if r["in_rotation"] is False:
             up = "out"  # the proxy ejected it
+        if r.get("is_failed"):
+            up = "failed"  # out of restarts: the supervisor gave up on it
         c = r["cache"]
         table.add_row(
             Text(r["name"]), ROLE_LABEL.get(r["role"], r["role"]),

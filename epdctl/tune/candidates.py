@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from epdctl.bench.arms import NAME_MAX, max_model_len
-from epdctl.topology import Role, Topology, parse_topology
+from epdctl.topology.model import Role, Topology, parse_topology
 from epdctl.tune.facts import ModelFacts
 
 Kind = Literal["aggregated", "e-pd", "epd"]

@@ -116,7 +116,7 @@ def is_better(a: Measured, b: Measured) -> bool | None:
 
 
 def _verdict(a: str, mine: Sequence[Round], b: str, theirs: Sequence[Round]) -> bool | None:
-    from epdctl.bench.stats import summarize
+    from epdctl.bench.estimates import summarize
     from epdctl.bench.verdicts import Comparison, judge
 
     (verdict,) = judge([Comparison(0, "knee", a, b, summarize(mine, True, VERDICT_SEED),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from epdctl.errors import TopologyError
-from epdctl.topology_sections import parse_size
+from epdctl.topology.sections import parse_size
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from epdctl.bench.samples import Round
 from epdctl.bench.workload import LoadPoint, Workload
-from epdctl.interrupts import unwinding
-from epdctl.state import RunState
-from epdctl.topology import Topology
+from epdctl.host.interrupts import unwinding
+from epdctl.launch.state import RunState
+from epdctl.topology.model import Topology
 from epdctl.tune.candidates import Candidate, Shape
 from epdctl.tune.decide import Measured, above_knee, attainment, knee, knee_rate
 from epdctl.tune.probes import Bodies, Measurements, profile_running
@@ -42,7 +42,7 @@ def use_sim_bench_command() -> None:
     import sys
 
     from epdctl.bench.workload import BENCH_COMMAND_ENV
-    from epdctl.gpus import fake_gpu_count
+    from epdctl.host.gpus import fake_gpu_count
 
     if fake_gpu_count() is not None and not os.environ.get(BENCH_COMMAND_ENV):
         os.environ[BENCH_COMMAND_ENV] = shlex.join(
@@ -53,7 +53,7 @@ def write_topology(topology: Topology, path: Path) -> Path:
     """A topology as YAML that `epdctl up` reads back the same."""
     import yaml
 
-    from epdctl.topology import parse_topology
+    from epdctl.topology.model import parse_topology
 
     data = topology.model_dump(mode="json", exclude_defaults=True)
     data.setdefault("name", topology.name)
@@ -91,7 +91,7 @@ class LiveProfiler:
     @unwinding()  # SIGTERM and SIGHUP too take the probe topology down
     def __call__(self, shape: Shape, topology: Topology, known: frozenset[str] = frozenset()
                  ) -> Measurements:
-        from epdctl.run import prepare, start_detached, stop
+        from epdctl.launch.run import prepare, start_detached, stop
 
         path = write_topology(topology, self.out_dir / "probes" / f"{topology.name}.yaml")
         run = prepare(path, self.state_root, topology=topology)

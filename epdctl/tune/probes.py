@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epdctl.bench.workload import WORDS, Workload, png
-from epdctl.state import RunState, SpecModel
+from epdctl.launch.state import RunState, SpecModel
 from epdctl.tune.candidates import Pool, Shape
 from epdctl.tune.des import StepCost
 from epdctl.tune.model import needed_stages, stage_key
@@ -143,7 +143,7 @@ def _headers(spec: SpecModel) -> dict[str, str]:
 
 
 def _max_seqs(spec: SpecModel) -> int | None:
-    from epdctl.topology import flag_value
+    from epdctl.topology.model import flag_value
 
     value = flag_value(spec.args, "--max-num-seqs")
     return int(value) if value and value.isdigit() else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from epdctl.bench.samples import Round
 from epdctl.bench.workload import Workload
 from epdctl.errors import BenchError
-from epdctl.topology import Topology
+from epdctl.topology.model import Topology
 from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
 from epdctl.tune.decide import (
     MAX_CONFIRM,
@@ -174,70 +174,16 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         kept, settings, profiler, progress, placed,
         lambda: clock() - started >= settings.budget_s)
     req = RequestShape(w.images, tokens - w.output_len, w.output_len)
-    rows = [Row(c) for c in kept]
-    for row in rows:
-        row.missing = profile.missing(row.candidate.shape)
-        if not row.missing:
-            row.prediction = predict(row.candidate.shape, profile, req, settings.slo,
-                                     requests=settings.sim_requests,
-                                     seconds=w.point_seconds)
+    rows = _predicted(kept, profile, req, settings)
     ranked = sorted((r for r in rows if r.prediction), key=lambda r: -r.prediction.goodput
                     if r.prediction else 0.0)
     progress.line(f"predicted {len(ranked)}; best {ranked[0].candidate.name} "
                   f"{ranked[0].prediction.goodput:.3g} req/s" if ranked and ranked[0].prediction
                   else "nothing could be predicted")
-    by_name = {r.candidate.name: r for r in rows}
-    aggregated = [r.candidate.name for r in ranked if r.candidate.shape.kind == "aggregated"]
-    must = aggregated[:1]
-    confirmed_path = settings.out_dir / CONFIRMED
-    kept_runs = _load(confirmed_path, store_key(settings))
-    measured: dict[str, Measured] = {}
-    for name, entry in kept_runs.items():
-        if name in by_name:
-            by_name[name].measured = measured[name] = _measured(name, entry)
-            progress.line(f"confirmed {name}: kept from {confirmed_path}")
-    predicted = [(r.candidate.name, r.prediction.goodput) for r in ranked if r.prediction]
     kinds = {r.candidate.name: r.candidate.shape.kind for r in rows}
-    cost_s = 0.0
-    while True:
-        order = corrected(dict(predicted), kinds, measured)
-        for name, value in order.items():
-            by_name[name].corrected = round(value, 4)
-        if not_profiled:
-            decision = Decision(True, f"the budget is spent while profiling "
-                                f"({clock() - started:.0f} s of {settings.budget_s:.0f} s)",
-                                left_out=tuple(n for n, _ in predicted if n not in measured))
-            break
-        decision = next_step(predicted, measured, must=must, elapsed_s=clock() - started,
-                             budget_s=settings.budget_s, cost_s=cost_s,
-                             max_confirm=settings.max_confirm, order=order)
-        if decision.stop or decision.next is None:
-            break
-        row = by_name[decision.next]
-        assert row.prediction is not None
-        progress.line(f"confirm {row.candidate.name} ({row.candidate.shape.label}) near "
-                      f"{row.prediction.goodput:.3g} req/s")
-        t0 = clock()
-        row.measured = measured[row.candidate.name] = confirmer(row.candidate,
-                                                                row.prediction.goodput)
-        cost_s = max(cost_s, clock() - t0)
-        kept_runs[row.candidate.name] = {
-            "goodput": row.measured.goodput, "points": [list(p) for p in row.measured.points],
-            "samples": [r.as_json() for r in row.measured.samples],
-            "above": [r.as_json() for r in row.measured.above]}
-        _save(confirmed_path, store_key(settings), kept_runs)
-        spent = clock() - started
-        left = min(settings.budget_s - spent,
-                   cost_s * max(settings.max_confirm - len(measured), 0))
-        progress.line(f"  measured {row.measured.goodput:.3g} req/s; {spent:.0f} s spent, "
-                      f"at most ~{max(left, 0):.0f} s left")
-    best = best_measured(list(measured.values()), kinds)
-    top = max(measured.values(), key=lambda m: m.goodput, default=None)
-    why = None
-    if best is not None and top is not None and kinds.get(best.name) == "aggregated" \
-            and kinds.get(top.name) != "aggregated":  # a tie went to aggregated
-        why = (f"`{top.name}` measured {top.goodput:.3g} req/s but is not decided to beat "
-               f"aggregated `{best.name}` ({best.goodput:.3g}): the simpler topology")
+    decision, measured = _confirm(settings, rows, ranked, kinds, not_profiled, confirmer,
+                                  progress, clock, started)
+    best, why = _best(measured, kinds)
     return {
         "candidates": [r.as_json() for r in ranked] + [r.as_json() for r in rows
                                                        if not r.prediction],
@@ -254,6 +200,97 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
                      "kv_ms": round(profile.kv_fixed_ms, 3),
                      "sharing_slowdown": round(profile.sharing_slowdown, 3)},
     }
+
+
+def _predicted(kept: Sequence[Candidate], profile: Profile, req: RequestShape,
+               settings: Settings) -> list[Row]:
+    """A row per candidate, predicted when the profile has every stage its shape needs."""
+    rows = [Row(c) for c in kept]
+    for row in rows:
+        row.missing = profile.missing(row.candidate.shape)
+        if not row.missing:
+            row.prediction = predict(row.candidate.shape, profile, req, settings.slo,
+                                     requests=settings.sim_requests,
+                                     seconds=settings.workload.point_seconds)
+    return rows
+
+
+def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
+             kinds: Mapping[str, str], not_profiled: Sequence[str], confirmer: Confirmer,
+             progress: Progress, clock: Callable[[], float], started: float
+             ) -> tuple[Decision, dict[str, Measured]]:
+    """Confirm the candidates next_step asks for (those kept in --out first) until it says
+    stop, correcting every row's prediction by what was measured before each step."""
+    by_name = {r.candidate.name: r for r in rows}
+    aggregated = [r.candidate.name for r in ranked if r.candidate.shape.kind == "aggregated"]
+    must = aggregated[:1]
+    confirmed_path = settings.out_dir / CONFIRMED
+    kept_runs, measured = _kept_confirmations(confirmed_path, store_key(settings), by_name,
+                                              progress)
+    predicted = [(r.candidate.name, r.prediction.goodput) for r in ranked if r.prediction]
+    cost_s = 0.0
+    while True:
+        order = corrected(dict(predicted), kinds, measured)
+        for name, value in order.items():
+            by_name[name].corrected = round(value, 4)
+        if not_profiled:
+            why = (f"the budget is spent while profiling "
+                   f"({clock() - started:.0f} s of {settings.budget_s:.0f} s)")
+            left_out = tuple(n for n, _ in predicted if n not in measured)
+            return Decision(True, why, left_out=left_out), measured
+        decision = next_step(predicted, measured, must=must, elapsed_s=clock() - started,
+                             budget_s=settings.budget_s, cost_s=cost_s,
+                             max_confirm=settings.max_confirm, order=order)
+        if decision.stop or decision.next is None:
+            return decision, measured
+        row = by_name[decision.next]
+        assert row.prediction is not None
+        progress.line(f"confirm {row.candidate.name} ({row.candidate.shape.label}) near "
+                      f"{row.prediction.goodput:.3g} req/s")
+        t0 = clock()
+        row.measured = measured[row.candidate.name] = confirmer(row.candidate,
+                                                                row.prediction.goodput)
+        cost_s = max(cost_s, clock() - t0)
+        kept_runs[row.candidate.name] = _kept(row.measured)
+        _save(confirmed_path, store_key(settings), kept_runs)
+        spent = clock() - started
+        left = min(settings.budget_s - spent,
+                   cost_s * max(settings.max_confirm - len(measured), 0))
+        progress.line(f"  measured {row.measured.goodput:.3g} req/s; {spent:.0f} s spent, "
+                      f"at most ~{max(left, 0):.0f} s left")
+
+
+def _kept_confirmations(path: Path, key: str, by_name: dict[str, Row], progress: Progress
+                        ) -> tuple[dict[str, Any], dict[str, Measured]]:
+    """The confirmations kept in --out's confirmed.json (all of them, to write back) and
+    those of this run's candidates, set on their rows."""
+    kept_runs = _load(path, key)
+    measured: dict[str, Measured] = {}
+    for name, entry in kept_runs.items():
+        if name in by_name:
+            by_name[name].measured = measured[name] = _measured(name, entry)
+            progress.line(f"confirmed {name}: kept from {path}")
+    return kept_runs, measured
+
+
+def _best(measured: Mapping[str, Measured], kinds: Mapping[str, str]
+          ) -> tuple[Measured | None, str | None]:
+    """The best measured candidate, and why when it is not the top measured one."""
+    best = best_measured(list(measured.values()), kinds)
+    top = max(measured.values(), key=lambda m: m.goodput, default=None)
+    why = None
+    if best is not None and top is not None and kinds.get(best.name) == "aggregated" \
+            and kinds.get(top.name) != "aggregated":  # a tie went to aggregated
+        why = (f"`{top.name}` measured {top.goodput:.3g} req/s but is not decided to beat "
+               f"aggregated `{best.name}` ({best.goodput:.3g}): the simpler topology")
+    return best, why
+
+
+def _kept(measured: Measured) -> dict[str, Any]:
+    """A confirmation as confirmed.json keeps it (read back by _measured)."""
+    return {"goodput": measured.goodput, "points": [list(p) for p in measured.points],
+            "samples": [r.as_json() for r in measured.samples],
+            "above": [r.as_json() for r in measured.above]}
 
 
 def _measured(name: str, entry: dict[str, Any]) -> Measured:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from epdctl._topology_file import read_yaml
 from epdctl.bench.arms import aggregated, derive_arms, devices, image_limit, max_model_len
 from epdctl.errors import BenchError
-from epdctl.plan import plan
-from epdctl.topology import Topology, parse_topology
+from epdctl.launch.plan import plan
+from epdctl.topology.model import Topology, parse_topology
+from epdctl.topology.yamlfile import read_yaml
 
 TOPOLOGIES = sorted((Path(__file__).parents[2] / "topologies").glob("*.yaml"))
 GPUS = [str(i) for i in range(8)]

@@ -15,7 +15,7 @@ from epdctl.bench.audio import AUDIO_RATE, AUDIO_SECONDS, write_audio_dataset
 from epdctl.bench.runner import prompts_for_arms
 from epdctl.bench.workload import LoadPoint, Workload, argv, check
 from epdctl.errors import BenchError
-from epdctl.topology import parse_topology
+from epdctl.topology.model import parse_topology
 
 AUDIO = Workload(points=(LoadPoint(), LoadPoint(max_concurrency=2)), num_prompts=3, images=0,
                  audios=1, input_len=4, output_len=5)

@@ -15,9 +15,9 @@ from epdctl.bench import runner
 from epdctl.bench.arms import derive_arms
 from epdctl.bench.runner import ArmRun, PointRun, _estimate, _run_point
 from epdctl.bench.workload import LoadPoint, Workload
-from epdctl.plan import plan
-from epdctl.state import RunState, Settings
-from epdctl.topology import parse_topology
+from epdctl.launch.plan import plan
+from epdctl.launch.state import RunState, Settings
+from epdctl.topology.model import parse_topology
 
 TOPOLOGY = parse_topology({
     "name": "t", "model": "org/vl", "served_model_name": "vl", "device": "cpu",

@@ -17,8 +17,8 @@ from epdctl.bench.runner import ArmRun, PointRun
 from epdctl.bench.samples import Round
 from epdctl.bench.workload import LoadPoint, Workload
 from epdctl.errors import BenchError
-from epdctl.topology import parse_topology
-from epdctl.verify import PROMPTS, ChatAnswer
+from epdctl.topology.model import parse_topology
+from epdctl.verifier.prompts import PROMPTS, ChatAnswer
 from tests.bench.synthetic import make_round
 
 TOPOLOGY = parse_topology({"name": "t", "model": "m", "device": "cpu",

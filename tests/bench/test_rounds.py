@@ -14,7 +14,7 @@ from epdctl.bench import runner
 from epdctl.bench.arms import derive_arms
 from epdctl.bench.runner import ArmRun, Plan, PointRun, round_order, run_arms
 from epdctl.bench.workload import LoadPoint, Workload
-from epdctl.topology import parse_topology
+from epdctl.topology.model import parse_topology
 
 TOPOLOGY = parse_topology({"name": "t", "model": "m", "device": "cpu",
                            "roles": {"encode": {}, "prefill_decode": {}}})

@@ -23,7 +23,7 @@ from epdctl.bench.workload import (
     write_dataset,
 )
 from epdctl.errors import BenchError
-from epdctl.topology import parse_topology
+from epdctl.topology.model import parse_topology
 
 TOPOLOGY = parse_topology({
     "name": "t", "model": "org/vl", "served_model_name": "vl", "device": "cpu",

@@ -11,7 +11,7 @@ import pytest
 
 from epdctl.cache.janitor import is_namespace_of, keep_topology_store
 from epdctl.cache.store import Store
-from epdctl.store_root import earlier_namespaces, record_namespace
+from epdctl.cache.store_root import earlier_namespaces, record_namespace
 from tests.cache.conftest import payload
 
 HEX, OLD_HEX = "0123456789ab", "ba9876543210"

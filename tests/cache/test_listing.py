@@ -74,5 +74,5 @@ def test_imports_stay_light() -> None:
     heavy = {"torch", "numpy", "vllm", "click", "rich", "httpx", "pydantic"}
     store = "epdctl.cache.store, epdctl.cache.janitor, epdctl.cache.listing, epdctl.cache.stats"
     assert _loaded(store, heavy) == set()
-    assert _loaded("epdctl.plan", {"vllm", "torch"}) == set()
-    assert _loaded("epdctl.plan, vllm", {"vllm"}) == {"vllm"}  # the probe itself works
+    assert _loaded("epdctl.launch.plan", {"vllm", "torch"}) == set()
+    assert _loaded("epdctl.launch.plan, vllm", {"vllm"}) == {"vllm"}  # the probe itself works

@@ -18,8 +18,8 @@ from epdctl.cache._maps import MAPPINGS, prefault
 from epdctl.cache._prefault import Premapper, entries_bytes
 from epdctl.cache.janitor import enforce
 from epdctl.cache.store import Pin, Store, read_into, unpin
-from epdctl.run import stop
-from epdctl.state import Record, RunState, SpecModel, StateDir
+from epdctl.launch.run import stop
+from epdctl.launch.state import Record, RunState, SpecModel, StateDir
 from tests.cache.conftest import payload
 from tests.waits import WAIT_S, until_sync
 

@@ -18,7 +18,7 @@ from epdctl.cache.listing import inspect
 from epdctl.cache.stats import StatsWriter
 from epdctl.cache.store import Pin, Store, unpin
 from epdctl.errors import CacheError
-from epdctl.topology_sections import Cache
+from epdctl.topology.sections import Cache
 from tests.cache.conftest import payload
 
 NS = "ns-test"

@@ -32,8 +32,8 @@ def bench(epdctl: Callable[..., Result]) -> Bench:
 
 def nothing_runs(state_root: Path) -> None:
     """No state.json and no live recorded process in any run dir."""
-    from epdctl.launcher import scan_marked
-    from epdctl.state import RunState
+    from epdctl.launch.processes import scan_marked
+    from epdctl.launch.state import RunState
 
     for run_dir in state_root.iterdir():
         if not (run_dir / "last-run.json").exists():
@@ -153,7 +153,7 @@ def test_a_greedy_mismatch_fails_the_bench(bench: Bench, fake_topology: Callable
                                            state_root: Path, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from epdctl.bench import runner
-    from epdctl.verify import ChatAnswer
+    from epdctl.verifier.prompts import ChatAnswer
 
     other = fake_topology("other")
     port = yaml.safe_load(other.read_text())["proxy"]["port"]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from epdctl import verify as core
+from epdctl.verifier import probes as core
+from epdctl.verifier import prompts
 
 pytestmark = pytest.mark.timeout(120)
 OOT = "tests.ec_recording:RecordingECConnector"
@@ -33,7 +34,7 @@ def _item(store: Path, key: str, size: int = 100, age_s: float = 0.0) -> Path:
 
 def _verify_keys() -> list[str]:
     # The fake topology takes images only: verify sends it those prompts.
-    return sorted({k for p in core.prompts_for({"image"}) for k in core.media_keys(p)})
+    return sorted({k for p in prompts.prompts_for({"image"}) for k in core.media_keys(p)})
 
 
 def test_dry_run_notes_what_the_connector_changes(epdctl, fake_topology) -> None:

@@ -56,9 +56,9 @@ def past_run(state_root: Path) -> Callable[..., Path]:
         for name, rows in logs.items():
             (run_dir / "logs" / f"{name}.log").write_text("".join(f"{r}\n" for r in rows))
         if log_requests is not None:
-            from epdctl.plan import plan
-            from epdctl.state import RunState, Settings
-            from epdctl.topology import parse_topology
+            from epdctl.launch.plan import plan
+            from epdctl.launch.state import RunState, Settings
+            from epdctl.topology.model import parse_topology
 
             topology = parse_topology({
                 "name": "demo", "model": "m", "device": "cpu", "roles": {

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from epdctl.cli.views import summary
-from epdctl.state import RunState, SpecModel
+from epdctl.launch.state import RunState, SpecModel
 
 
 def _state(proxy_env: dict[str, str]) -> RunState:

@@ -33,7 +33,7 @@ STUCK_BENCH = ("import os, sys, time; open(os.environ['STUCK_PID'], 'w').write(s
 
 def _up_now(state_root: Path) -> bool:
     """A topology's state.json is there and every process it records runs."""
-    from epdctl.state import RunState
+    from epdctl.launch.state import RunState
 
     for path in state_root.glob("*/state.json"):
         try:

@@ -33,7 +33,7 @@ def test_status_json_then_table_then_exited(epdctl, fake_topology, state_root, t
                                                                   "alive": True}
     first = doc["instances"][0]
     assert list(first) == ["name", "role", "gpus", "port", "url", "pid", "state", "uptime_s",
-                           "rss_bytes", "restarts", "exit_code", "log"]
+                           "rss_bytes", "restarts", "exit_code", "log", "error"]
     assert [(i["name"], i["role"], i["state"], i["pid"]) for i in doc["instances"]] == [
         ("encode-0", "encode", "ready", pids["encode-0"]),
         ("pd-0", "prefill_decode", "ready", pids["pd-0"]),

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from click.testing import Result
 
-from epdctl.topology import load_topology
+from epdctl.topology.model import load_topology
 from epdctl.tune.decide import above_knee, knee_rate
 from epdctl.tune.model import ATTAINMENT
 from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS

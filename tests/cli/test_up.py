@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from epdctl.run import prepare
+from epdctl.launch.run import prepare
 from tests.conftest import FAKE_PROXY, is_running, run_pids
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,7 +116,7 @@ def test_dry_run_without_gpus_plans_on_assumed_ones(epdctl, monkeypatch, state_r
     def no_gpu() -> list[str]:
         raise PlanError("no NVIDIA GPU found (NVML: test)")
 
-    monkeypatch.setattr("epdctl.gpus.visible_gpus", no_gpu)
+    monkeypatch.setattr("epdctl.host.gpus.visible_gpus", no_gpu)
     topo = Path(__file__).resolve().parents[2] / "topologies" / "qwen2_5-vl-2e2pd-tp2.yaml"
     result = epdctl("up", str(topo), "--dry-run")
     assert result.exit_code == 0, result.stderr

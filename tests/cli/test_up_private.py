@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from epdctl.run import prepare
+from epdctl.launch.run import prepare
 
 pytestmark = pytest.mark.timeout(60)
 

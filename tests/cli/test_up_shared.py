@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epdctl import cache, private
+from epdctl import cache
 from epdctl.cache.store import Store
-from epdctl.state import RunState
-from epdctl.store_root import store_safety
+from epdctl.cache.store_root import store_safety
+from epdctl.host import private
+from epdctl.launch.state import RunState
 from tests.attacker import NOBODY, as_nobody, attempt
 from tests.cache.conftest import payload
 
@@ -166,7 +167,7 @@ def test_a_start_refused_before_it_begins_leaves_no_root(
     def refuse(*args: object, **kwargs: object) -> None:
         raise PlanError("refused for the test")
 
-    monkeypatch.setattr("epdctl.run.make_plan", refuse)
+    monkeypatch.setattr("epdctl.launch.run.make_plan", refuse)
     result = epdctl("up", str(default_topology()), "-d", "--timeout", "20")
     assert result.exit_code == 1
     assert result.stderr.endswith("Error: refused for the test\n")
@@ -266,7 +267,7 @@ def test_a_kept_fresh_root_is_found_again_by_the_next_up(epdctl, default_topolog
 
 def test_up_records_the_namespaces_this_topology_used(epdctl, fake_topology,
                                                       state_root: Path) -> None:
-    from epdctl.store_root import earlier_namespaces
+    from epdctl.cache.store_root import earlier_namespaces
 
     first = fake_topology()
     assert epdctl("up", str(first), "-d", "--timeout", "20").exit_code == 0

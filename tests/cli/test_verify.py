@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from epdctl import verify as core
-from epdctl.baseline import baseline_spec
-from epdctl.plan import LaunchSpec
+from epdctl.launch.plan import LaunchSpec
+from epdctl.verifier import probes as core
+from epdctl.verifier import prompts
+from epdctl.verifier.baseline import baseline_spec
 from tests.conftest import is_running, run_pids
 
 pytestmark = pytest.mark.timeout(60)
-NAMES = [p.name for p in core.prompts_for({"image"})]  # the fake topology: images only
+NAMES = [p.name for p in prompts.prompts_for({"image"})]  # the fake topology: images only
 
 
 def answer(text: str | None, error: str | None = None) -> core.ChatAnswer:
@@ -57,22 +58,22 @@ def test_prompts_cover_the_cases_and_their_images_differ() -> None:
     assert len(images["same image twice"]) == 2 and len(set(images["same image twice"])) == 1
     assert images["repeated image"] == images["one image"]
     assert any(p.is_streamed for p in core.PROMPTS)
-    pngs = {core.png(seed) for p in core.PROMPTS for seed in p.images}
+    pngs = {prompts.png(seed) for p in core.PROMPTS for seed in p.images}
     assert len(pngs) == len({seed for p in core.PROMPTS for seed in p.images})
     assert all(png.startswith(b"\x89PNG\r\n\x1a\n") for png in pngs)
 
 
 def test_prompts_cover_every_modality_and_only_the_ones_taken() -> None:
-    assert core.taken_modalities(["--limit-mm-per-prompt", '{"image": 2, "video": 1}']) == {
+    assert prompts.taken_modalities(["--limit-mm-per-prompt", '{"image": 2, "video": 1}']) == {
         "image", "video"}
-    assert core.taken_modalities(["--limit-mm-per-prompt", '{"audio": 2, "image": 0}']) == {
+    assert prompts.taken_modalities(["--limit-mm-per-prompt", '{"audio": 2, "image": 0}']) == {
         "audio"}
-    assert core.taken_modalities([]) == {"image"}
+    assert prompts.taken_modalities([]) == {"image"}
     for taken in ({"image"}, {"image", "video"}, {"audio"}):
-        chosen = core.prompts_for(taken)
+        chosen = prompts.prompts_for(taken)
         assert {m for p in chosen for m in p.modalities} == taken
         assert chosen[0].name == "text only"
-    every = core.prompts_for({"image", "video", "audio"})
+    every = prompts.prompts_for({"image", "video", "audio"})
     assert every == core.PROMPTS
     assert any(len(p.modalities) == 2 for p in every)  # an image with a video
 
@@ -92,7 +93,7 @@ def test_media_keys_are_the_keys_the_proxy_gives() -> None:
         assert [i.modality for i in items] == (
             ["image"] * len(prompt.images) + ["video"] * len(prompt.videos)
             + ["audio"] * len(prompt.audios))
-    assert core.wav(1) != core.wav(2) and core.wav(1).startswith(b"RIFF")
+    assert prompts.wav(1) != prompts.wav(2) and prompts.wav(1).startswith(b"RIFF")
     assert core.media_keys(core.PROMPTS[6]) != core.media_keys(core.PROMPTS[7])
 
 
@@ -316,7 +317,7 @@ def test_cuda_needs_a_baseline(epdctl, tmp_path, state_root) -> None:
 
 def test_a_running_topology_that_is_not_ready_is_refused(epdctl, fake_topology, state_root,
                                                          monkeypatch) -> None:
-    from epdctl import readiness
+    from epdctl.launch import readiness
 
     topo = fake_topology()
     assert epdctl("up", str(topo), "-d", "--timeout", "20").exit_code == 0

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from epdctl.doctor import Completed
-from epdctl.gpus import GpuInfo
-from epdctl.topology import Topology, parse_topology
+from epdctl.host.gpus import GpuInfo
+from epdctl.topology.model import Topology, parse_topology
 
 GIB = 1 << 30
 Usage = namedtuple("Usage", "total used free")  # as shutil.disk_usage answers

@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 
 from epdctl.doctor import Check, Completed, run_checks
-from epdctl.doctor._check import run_command
-from epdctl.doctor._engine import check_ec_connector, ec_module, probe_environment
+from epdctl.launch.preflight import check_ec_connector, ec_module, probe_environment, run_command
 from tests.doctor.fakes import gpu, topology
-from tests.doctor.test_engine import PY, _report
 from tests.doctor.test_run_checks import ALL, _probes, _runner
+from tests.doctor.test_vllm import PY, _report
 
 OOT = "my_pkg.ec:MyConnector"
 
@@ -83,14 +82,14 @@ def test_example_connector_files_have_no_budget_to_check(tmp_path: Path) -> None
 
 
 def _placed(topo, tmp_path: Path):
-    from epdctl.plan import plan
+    from epdctl.launch.plan import plan
 
     return plan(topo, tmp_path / topo.name, visible_gpus=["0", "1"], cpu_count=2)
 
 
 def test_up_refuses_a_connector_that_does_not_import(tmp_path: Path) -> None:
     """What `up` asks before anything starts (doctor's probe and checks): one line each."""
-    from epdctl.doctor import connector_problems
+    from epdctl.launch.preflight import connector_problems
 
     topo = topology(cache={"connector": OOT})
     run = _runner({OOT: "ModuleNotFoundError: No module named 'my_pkg'"})
@@ -110,7 +109,7 @@ def test_up_refuses_a_connector_that_does_not_import(tmp_path: Path) -> None:
 
 
 def test_up_probes_nothing_for_connectors_that_need_nothing(tmp_path: Path) -> None:
-    from epdctl.doctor import connector_problems
+    from epdctl.launch.preflight import connector_problems
     from tests.doctor.fakes import FakeRunner
 
     never = FakeRunner()  # any command would fail the test

@@ -18,9 +18,9 @@ from epdctl.doctor._host import (
     filesystem_type,
 )
 from epdctl.errors import PlanError
-from epdctl.gpus import GpuInfo
-from epdctl.plan import Plan, plan
-from epdctl.ports import check_plan_ports
+from epdctl.host.gpus import GpuInfo
+from epdctl.launch.plan import Plan, plan
+from epdctl.launch.ports import check_plan_ports
 from tests.doctor.fakes import disk, gpu, topology
 
 NO_GPU = PlanError("no NVIDIA GPU found (NVML: Driver Not Loaded); for a CPU-only machine ...")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from epdctl.doctor import Completed, Probes, run_checks
-from epdctl.doctor._engine import PLUGIN_VALUE
+from epdctl.doctor._vllm import PLUGIN_VALUE
 from epdctl.errors import PlanError
 from tests.doctor.fakes import FakeRunner, disk, gpu, topology
 

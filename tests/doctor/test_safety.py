@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from epdctl.doctor._safety import check_safety
-from epdctl.topology import parse_topology
+from epdctl.topology.model import parse_topology
 
 BASE = {"name": "demo", "model": "m/vl", "device": "cpu", "roles": {"prefill_decode": {}}}
 STORE = "store private at /dev/shm/epdctl-0/demo-0123 (mode 0700, yours)"

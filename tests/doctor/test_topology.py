@@ -8,7 +8,7 @@ import pytest
 
 from epdctl.doctor import Check
 from epdctl.doctor._topology import check_combinations, check_model, hf_hub_cache
-from epdctl.plan import plan
+from epdctl.launch.plan import plan
 from tests.doctor.fakes import topology
 
 MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"

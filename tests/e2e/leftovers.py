@@ -118,7 +118,7 @@ def unmapped(paths: set[str]) -> set[str]:
 
 def ipc_dirs(run: Any) -> set[Path]:
     """The instances' IPC directories (VLLM_RPC_BASE_PATH) that epdctl made for the run."""
-    from epdctl import ipc
+    from epdctl.host import ipc
 
     state = run.state()
     return {p for s in state.specs

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epdctl.bench.stats import FIGURES as WITH_INTERVALS
+from epdctl.bench.estimates import FIGURES as WITH_INTERVALS
 from tests.harness import (
     cli_env,
     copy_topology,

@@ -80,7 +80,7 @@ def margins(server: Server, urls: list[str], max_tokens: int = 48) -> list[float
 
 
 def test_greedy_choices_are_decisive(server: Server) -> None:
-    """Every greedy choice leads by far more than float noise (tiny_models._decisive): the
+    """Every greedy choice leads by far more than float noise (_weights.make_decisive): the
     tests that compare answers across batch shapes, instances and resumed streams rely on
     it. The first two tokens are the input's choice, the rest follow the chain."""
     context, rest = [], []
@@ -156,8 +156,8 @@ def test_cpu_topologies_plan(
     name: str, kind: str, roles: list[str], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """The shipped CPU topologies plan to CPU launcher commands with the flags that worked."""
-    from epdctl.plan import plan
-    from epdctl.topology import load_topology
+    from epdctl.launch.plan import plan
+    from epdctl.topology.model import load_topology
 
     model = request.getfixturevalue(f"tiny_{kind}")
     topology = load_topology(copy_topology(name, tmp_path, model=model))

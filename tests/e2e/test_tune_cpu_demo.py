@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from epdctl.topology import load_topology
+from epdctl.topology.model import load_topology
 from epdctl.tune.model import ATTAINMENT
 from tests.harness import (
     cli_env,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from epdctl.cache.store import Store
-from epdctl.store_root import record_namespace
+from epdctl.cache.store_root import record_namespace
 from tests.harness import (
     TopologyRun,
     chat,

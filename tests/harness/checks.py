@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from epdctl.launcher import group_alive
+from epdctl.launch.processes import group_alive
 from tests.e2e.leftovers import (
     check_held_privately,
     check_nothing_left,

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import psutil
 
-from epdctl import ipc
-from epdctl.launcher import Proc, describe_failure, exit_text, group_alive, spawn, stop_all
-from epdctl.plan import CPU_IN_PROCESS_WORKER
-from epdctl.readiness import is_ready
-from epdctl.shm import mapped_files, release
-from epdctl.spec import LaunchSpec
+from epdctl.host import ipc
+from epdctl.host.shm import mapped_files, release
+from epdctl.launch.plan import CPU_IN_PROCESS_WORKER
+from epdctl.launch.processes import Proc, describe_failure, exit_text, group_alive, spawn, stop_all
+from epdctl.launch.readiness import is_ready
+from epdctl.launch.spec import LaunchSpec
 from tests.harness.ports import free_port
 
 # The flags that worked on a 2-core CPU machine (see /work/shared/vllm-cpu.md).
@@ -142,7 +142,7 @@ def start_engine(
 
     CPU_ARGS come first, so `args` can override any of them (argparse keeps the last). Its
     run dir is the log's directory; its IPC sockets and temp files go where epdctl's plan
-    puts an instance's (epdctl/ipc.py), unless `env` names a VLLM_RPC_BASE_PATH.
+    puts an instance's (epdctl/host/ipc.py), unless `env` names a VLLM_RPC_BASE_PATH.
     """
     port = port or free_port()
     log_path = Path(log_path)

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from epdctl import ipc
 from epdctl.errors import EpdctlError
-from epdctl.launcher import STOP_TIMEOUT_S, scan_marked, stop_all
-from epdctl.run import PROXY_COMMAND_ENV, find, prepare, start_detached, stop
-from epdctl.shm import release
-from epdctl.state import RunState
+from epdctl.host import ipc
+from epdctl.host.shm import release
+from epdctl.launch.processes import STOP_TIMEOUT_S, scan_marked, stop_all
+from epdctl.launch.run import PROXY_COMMAND_ENV, find, prepare, start_detached, stop
+from epdctl.launch.state import RunState
 from tests.e2e.leftovers import semaphores
 from tests.harness.engine import Server, wait_all_ready
 from tests.harness.ports import free_port, free_ports

@@ -62,7 +62,7 @@ def test_every_role_is_a_proxyconfig_field():
     """The plan hands each role's instance URLs to the ProxyConfig field of the role's name."""
     import dataclasses
 
-    from epdctl.topology import ROLE_NAMES
+    from epdctl.topology.model import ROLE_NAMES
 
     assert set(ROLE_NAMES) <= {f.name for f in dataclasses.fields(ProxyConfig)}
 

@@ -49,7 +49,7 @@ def marked_pids(run_dir: Path) -> set[int]:
     """Every live process (not a zombie) whose environment marks it as started for run_dir."""
     import psutil
 
-    from epdctl.launcher import MARK_DIR
+    from epdctl.launch.processes import MARK_DIR
 
     found = set()
     for proc in psutil.process_iter(["pid", "status"]):

@@ -157,7 +157,7 @@ def test_foreground_up_killed_while_serving(env, fake_topology, state_root) -> N
 def test_a_taken_port_is_refused_before_anything_starts(env, fake_topology, state_root,
                                                         holder) -> None:
     topo = fake_topology()
-    from epdctl.run import prepare
+    from epdctl.launch.run import prepare
 
     plan = prepare(topo, state_root).plan
     port = {s.name: s.port for s in plan.specs}[holder]

@@ -341,7 +341,7 @@ def test_mixed_load_loses_nothing(run: TopologyRun) -> None:
     # as the repeated images are all along) and pinned ones (at most one per client). So no
     # sample exceeds the budget by more than the entries new in one janitor period plus the
     # grace (and a second of scheduling), the repeated images and one pin per client.
-    from epdctl.supervisor import JANITOR_INTERVAL_S
+    from epdctl.launch.supervisor import JANITOR_INTERVAL_S
 
     window_s = JANITOR_INTERVAL_S + 1.0 + 1.0
     over = [(at - begin, size, watch.new_before(at, window_s)) for at, size in watch.samples

@@ -209,7 +209,7 @@ def check_exact(probe: Probe, answers: dict[int, Any]) -> None:
 
     What a resume promises is the text sent before the break, then the greedy continuation
     of that prefix, with no token repeated or dropped. The tiny model makes every greedy
-    choice decisive (epdctl.dev.tiny_models._decisive: the input's two choices lead by
+    choice decisive (epdctl.dev._weights.make_decisive: the input's two choices lead by
     >= 0.034 logits, each later token by >= 25, against float noise of ~1e-5 between batch
     shapes and a prefix prefilled at once or decoded token by token), so the continuation
     of any prefix of the aggregated answer is the rest of that answer: equality with it is

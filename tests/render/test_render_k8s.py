@@ -11,7 +11,7 @@ from _k8s_schema import validate
 from epdctl.errors import RenderError
 from epdctl.render import K8sOptions, render_k8s
 from epdctl.render.k8s import escape
-from epdctl.topology import parse_topology
+from epdctl.topology.model import parse_topology
 
 E_P_D = {
     "name": "epd",

@@ -11,7 +11,7 @@ from epdctl.cli.render import HF_TOKEN_KEY
 from epdctl.errors import RenderError
 from epdctl.render import K8sOptions, render_k8s
 from epdctl.render import _volumes as volumes
-from epdctl.topology import parse_topology
+from epdctl.topology.model import parse_topology
 
 POD_PATH = {"name": "vl", "model": "/models/qwen2.5-vl-3b",
             "roles": {"encode": {}, "prefill_decode": {"replicas": 2}}}

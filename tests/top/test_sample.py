@@ -8,12 +8,12 @@ from pathlib import Path
 
 from epdctl.cache.stats import StatsWriter
 from epdctl.cache.store import Store
-from epdctl.gpus import GpuInfo
-from epdctl.plan import plan
-from epdctl.state import Record, RunState, Settings
+from epdctl.host.gpus import GpuInfo
+from epdctl.launch.plan import plan
+from epdctl.launch.state import Record, RunState, Settings
 from epdctl.top import sample as sample_module
 from epdctl.top.sample import take
-from epdctl.topology import parse_topology
+from epdctl.topology.model import parse_topology
 from tests.top.test_summary import TEXTS, demo_state
 
 TWO_GIB = 2 << 30

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from epdctl.cache.listing import NamespaceStats
-from epdctl.plan import plan
-from epdctl.state import RunState, Settings
+from epdctl.launch.plan import plan
+from epdctl.launch.state import RunState, Settings
 from epdctl.top.prom import Scrape
 from epdctl.top.sample import Sample
 from epdctl.top.summary import summarize
 from epdctl.top.view import render
-from epdctl.topology import parse_topology
+from epdctl.topology.model import parse_topology
 
 DATA = Path(__file__).parent.parent / "data" / "metrics"
 TEXTS = {name: (DATA / f"{name}.txt").read_text() for name in ("proxy", "encode-0", "pd-0")}

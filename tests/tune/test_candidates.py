@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from epdctl.plan import plan
-from epdctl.topology import parse_topology
+from epdctl.launch.plan import plan
+from epdctl.topology.model import parse_topology
 from epdctl.tune.candidates import (
     GIB,
     Limits,
@@ -110,7 +110,7 @@ def test_memory_leaves_shapes_out_with_a_reason() -> None:
 
 
 def test_cpu_demo_candidates() -> None:
-    from epdctl.topology import load_topology
+    from epdctl.topology.model import load_topology
 
     base = load_topology(Path(__file__).parents[2] / "topologies" / "cpu-demo.yaml")
     kept, _ = candidates(base, [0, 1], ModelFacts(), Limits(None, 0))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from epdctl.bench.workload import LoadPoint, Workload
-from epdctl.topology import parse_topology
+from epdctl.topology.model import parse_topology
 from epdctl.tune.candidates import GIB, Limits, Pool, Shape, candidates, place
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import needed_stages
@@ -54,7 +54,7 @@ def _profile_twice(tmp_path: Path, data: dict, shape: Shape, images: int, first:
                    second: Run) -> tuple[Measurements, Measurements]:
     """Bring the probe up on the first `shape.gpus` fake GPUs, profile it as `first` says,
     then as `second` says, and take it down."""
-    from epdctl.run import prepare, start_detached, stop
+    from epdctl.launch.run import prepare, start_detached, stop
 
     topology = place(parse_topology(data), shape, list(range(shape.gpus)),
                      Limits(24 * GIB, 2048))

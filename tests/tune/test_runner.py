@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from epdctl.bench.workload import LoadPoint, Workload
-from epdctl.topology import Topology, parse_topology
+from epdctl.topology.model import Topology, parse_topology
 from epdctl.tune.candidates import GIB, Candidate, Shape
 from epdctl.tune.decide import Measured
 from epdctl.tune.des import StepCost

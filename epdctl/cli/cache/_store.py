@@ -9,7 +9,7 @@ import click
 
 from epdctl import cache
 from epdctl.cli._app import App
-from epdctl.ec_connectors import EXAMPLE
+from epdctl.topology.ec_names import EXAMPLE
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def resolve_store(app: App, store_dir: Path | None) -> StoreView:
     if store_dir is not None:
         return StoreView(store_dir.absolute())
     from epdctl.errors import EpdctlError
-    from epdctl.state import find_state_dir
+    from epdctl.launch.state import find_state_dir
 
     try:
         sdir = find_state_dir(app.state_root, None)

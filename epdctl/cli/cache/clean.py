@@ -23,7 +23,7 @@ class _Parsed(click.ParamType):
         self._parser_name = parser_name
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from epdctl import topology
+        from epdctl.topology import model as topology
 
         try:
             return getattr(topology, self._parser_name)(value)

@@ -195,13 +195,13 @@ async def assign_uuids(items: list[MediaItem], client: Upstream, timeout_s: floa
     inline: dict[tuple[str, str, bool], str] = {}  # one hash per distinct inline item
     count = 0
     for n, item in enumerate(items):
-        what = f"{item.part_type} #{n}"
         if item.uuid is not None:
             continue
         is_audio_data = item.part_type == "input_audio"
         if is_audio_data or item.ref.startswith("data:"):
             seen = (item.modality, item.ref, is_audio_data)
             if seen not in inline:
+                what = f"{item.part_type} #{n}"
                 inline[seen] = b64_key(item.modality, item.ref, what) if is_audio_data \
                     else data_url_key(item.modality, item.ref, what)
             item.uuid = inline[seen]

@@ -123,17 +123,19 @@ def _check_input(value: object) -> None:
         return
     if not isinstance(value, list) or not value:
         raise bad_request("`input` must be a string or a non-empty list", "input")
-    for where, part in checked_parts(value, "input"):
+    for at, part in checked_parts(value, "input"):
         if part["type"] != RESPONSES_MEDIA_PART:
             continue
         for key in ("image_url", "uuid"):
             if part.get(key) is not None and not isinstance(part[key], str):
-                raise bad_request(f"{where}.{key} must be a string", "input")
+                raise bad_request(f"{where('input', at)}.{key} must be a string", "input")
 
 
-def checked_parts(items: list[Any], name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def checked_parts(items: list[Any], name: str
+                  ) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
     """Each content part of a `messages` or `input` list, checked to be an object with a
-    string `type`, with where it is (for the error about it); 400 for a malformed item."""
+    string `type`, with where it is (`where` names it, for the error about it); 400 for a
+    malformed item."""
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise bad_request(f"{name}[{i}] must be an object", name)
@@ -143,25 +145,31 @@ def checked_parts(items: list[Any], name: str) -> Iterator[tuple[str, dict[str, 
         if not isinstance(content, list):
             raise bad_request(f"{name}[{i}].content must be a string or a list", name)
         for j, part in enumerate(content):
-            where = f"{name}[{i}].content[{j}]"
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise bad_request(f"{where} must be an object with a string `type`", name)
-            yield where, part
+                raise bad_request(f"{where(name, (i, j))} must be an object with a string "
+                                  "`type`", name)
+            yield (i, j), part
+
+
+def where(name: str, at: tuple[int, int]) -> str:
+    """A content part's place in a request, for an error: `messages[1].content[0]`."""
+    return f"{name}[{at[0]}].content[{at[1]}]"
 
 
 def _check_messages(messages: object) -> None:
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` must be a non-empty list", "messages")
-    for where, part in checked_parts(messages, "messages"):
+    for at, part in checked_parts(messages, "messages"):
         kind = part["type"]
         if kind not in MEDIA_TYPES:
             continue
         payload = part.get(kind)
         field = "data" if kind == "input_audio" else "url"
         if not isinstance(payload, dict) or not isinstance(payload.get(field), str):
-            raise bad_request(f"{where}.{kind}.{field} must be a string", "messages")
+            raise bad_request(f"{where('messages', at)}.{kind}.{field} must be a string",
+                              "messages")
         if part.get("uuid") is not None and not isinstance(part["uuid"], str):
-            raise bad_request(f"{where}.uuid must be a string", "messages")
+            raise bad_request(f"{where('messages', at)}.uuid must be a string", "messages")
 
 
 def find_media(body: dict[str, Any]) -> list[MediaItem]:

@@ -9,9 +9,15 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from epdctl.proxy.answer import Answer
+from epdctl.proxy.deadlines import Entry, wheel
 from epdctl.proxy.errors import JSON_TYPE, ProxyError
 
 Scope = MutableMapping[str, Any]
+
+
+WATCH_AFTER_S = 0.25
+"""How long a request runs before its client's departure is watched for: most answers are
+sent by then, and the watch is a task of its own (a departure is noticed this much late)."""
 
 
 class Disconnect:
@@ -20,9 +26,17 @@ class Disconnect:
     def __init__(self, receive: Any) -> None:
         self.is_gone = False
         self._task = asyncio.current_task()
-        self._watch = asyncio.ensure_future(self._wait(receive))
+        self._receive = receive
+        self._watch: asyncio.Future[None] | None = None
+        loop = asyncio.get_running_loop()
+        self._entry: Entry | None = wheel(loop).at(loop.time() + WATCH_AFTER_S, self._begin)
 
-    async def _wait(self, receive: Any) -> None:
+    def _begin(self) -> None:
+        self._entry = None
+        self._watch = asyncio.ensure_future(self._wait())
+
+    async def _wait(self) -> None:
+        receive = self._receive
         while (await receive())["type"] != "http.disconnect":
             pass
         self.is_gone = True
@@ -30,7 +44,11 @@ class Disconnect:
             self._task.cancel()
 
     def stop(self) -> None:
-        self._watch.cancel()
+        if self._entry is not None:
+            self._entry.cancel()
+            self._entry = None
+        if self._watch is not None:
+            self._watch.cancel()
 
 
 def error_answer(exc: ProxyError) -> Answer:

@@ -52,6 +52,8 @@ class ProxyHandler:
         self.upstreams = Upstreams(config)
         self.metrics = Metrics()
         self.inflight = 0
+        self.is_draining = False
+        """Set by `POST /epdctl/drain` (server/admin.py): nothing new is admitted."""
         self.metrics.inflight.set_function(lambda: self.inflight)  # read at scrape time
         encode_pool = self.upstreams.pools.get("encode")
         self.lookup = None
@@ -138,6 +140,10 @@ class ProxyHandler:
         """The answer for a request turned away before its body is read, if it is."""
         if not self.is_authorized(scope):
             return Answer(401, JSON_TYPE, UNAUTHORIZED_BODY)
+        if self.is_draining:
+            return error_answer(ProxyError(
+                503, "The proxy is draining before it stops; retry later",
+                headers={"retry-after": str(self.config.retry_after_s)}))
         if self.inflight >= self.config.max_inflight:
             retry_after = str(self.config.retry_after_s)
             return error_answer(ProxyError(

@@ -12,6 +12,7 @@ from typing import Any
 from epdctl.proxy import jsonio
 from epdctl.proxy.attempts import ENCODE_ATTEMPTS
 from epdctl.proxy.config import ProxyConfig
+from epdctl.proxy.deadlines import deadline
 from epdctl.proxy.errors import UpstreamError
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.request.inflight import Request
@@ -131,7 +132,7 @@ class Encoder:
         results: dict[str, tuple[str, dict[str, Any], dict[str, Any], str | None] | str] = {}
         try:
             # A deadline for the whole stage: whatever is unfinished falls back to PD.
-            async with asyncio.timeout(self.config.encode_timeout_s):
+            with deadline(self.config.encode_timeout_s):
                 if len(unique) == 1:  # the common case needs no task of its own
                     await self._one(body, next(iter(unique.values())), 0, req, results,
                                     consumer_zmq)

@@ -12,7 +12,8 @@ from epdctl.proxy import jsonio
 from epdctl.proxy.answer import Answer, StageFailed
 from epdctl.proxy.attempts import ATTEMPTS
 from epdctl.proxy.config import ProxyConfig
-from epdctl.proxy.errors import UpstreamError
+from epdctl.proxy.deadlines import deadline
+from epdctl.proxy.errors import ProxyError, UpstreamError
 from epdctl.proxy.metrics import Metrics
 from epdctl.proxy.request.inflight import Body, Request
 from epdctl.proxy.request.parse import RESPONSES
@@ -30,6 +31,7 @@ class Generator:
     def __init__(self, config: ProxyConfig, upstreams: Upstreams, client: Upstream,
                  metrics: Metrics) -> None:
         self.config = config
+        self.upstreams = upstreams
         self.client = client
         self.metrics = metrics
         self.prefill_pool: Pool | None = upstreams.pools.get("prefill")
@@ -60,11 +62,34 @@ class Generator:
         if self.prefill_pool is not None:
             as_dict = req.dict_of(body)
             if req.route != RESPONSES or needs_prefill(as_dict):
-                kv = await self._prefill(req, as_dict, chosen.get("prefill")
-                                         or self.prefill_pool.pick(avoid.get("prefill")))
+                pool = self.prefill_pool
+                kv = await self._prefill(req, as_dict, chosen.get("prefill") or (
+                    await self._serving(pool) if pool.draining else
+                    pool.pick(avoid.get("prefill"))))
                 body = decode_body(as_dict, kv)
-        inst = chosen.get(self.decode_stage) or self.decode_pool.pick(avoid.get(self.decode_stage))
+        pool = self.decode_pool
+        inst = chosen.get(self.decode_stage) or (
+            await self._serving(pool) if pool.draining else
+            pool.pick(avoid.get(self.decode_stage)))
         return await self._decode(req, body, may_fall_back, inst)
+
+    async def _serving(self, pool: Pool) -> Instance:
+        """An instance of a pool some of whose instances drain (`epdctl restart`): at once
+        where another takes requests; else the first re-admitted within replay_wait, or a 503
+        the client may retry."""
+        try:
+            with deadline(self.config.replay_wait_s):
+                while not pool.healthy and pool.draining:
+                    waiter = asyncio.get_running_loop().create_future()
+                    self.upstreams.revived.add(waiter)
+                    try:
+                        await waiter
+                    finally:
+                        self.upstreams.revived.discard(waiter)
+        except TimeoutError:
+            raise ProxyError(503, f"every {pool.role} instance is restarting; retry later",
+                             headers={"retry-after": str(self.config.retry_after_s)}) from None
+        return pool.pick()
 
     async def answer_from(self, inst: Instance, req: Request, body: Body,
                           may_fall_back: bool) -> Answer:
@@ -80,7 +105,7 @@ class Generator:
         started = time.perf_counter()
         inst.outstanding += 1
         try:
-            async with asyncio.timeout(timeout_s):
+            with deadline(timeout_s):
                 reply = await self.client.post(inst.url, route, dumps(prefill_body(body, route)),
                                                headers, timeout_s, "prefill")
                 try:
@@ -121,7 +146,7 @@ class Generator:
         is_handed_off = False
         inst.outstanding += 1
         try:
-            async with asyncio.timeout(timeout_s):
+            with deadline(timeout_s):
                 reply = await self.client.post(inst.url, route, payload, headers,
                                                self.decode_read_s, stage)
                 if reply.status != 200 or not req.is_stream:

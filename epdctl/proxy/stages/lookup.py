@@ -63,7 +63,7 @@ class StoreLookup:
     """Looks items up in one namespace and keeps E's metadata there; counts both."""
 
     def __init__(self, store_dir: str, namespace: str) -> None:
-        # Refused (not the user's alone, see epdctl.private): every look is a miss.
+        # Refused (not the user's alone, see epdctl.host.private): every look is a miss.
         self.store = Store(store_dir, namespace).open()
         self.reporting: set[str] = set()
         """Modalities E has reported metadata for since this proxy started."""

@@ -100,7 +100,8 @@ class Replayer:
         pool = self.upstreams.pools[stage]
         deadline = time.monotonic() + self.config.replay_wait_s
         while True:
-            ready = [i for i in pool.instances if not i.is_ejected and not attempts.is_dead(i)]
+            ready = [i for i in pool.instances
+                     if not i.is_ejected and not i.is_draining and not attempts.is_dead(i)]
             if ready:
                 return min(ready, key=lambda i: i.outstanding)
             left = deadline - time.monotonic()
@@ -187,6 +188,15 @@ class Replayer:
             log.warning("rid=%s stream not resumed (%s): %s", trace.rid, why, exc)
             return error_event(str(exc))
         attempts.note_dead(stage, exc.url or trace.instances.get(stage))
+        return await self._resume_on(exc, req, as_dict, so_far, ids)
+
+    async def _resume_on(self, exc: UpstreamError, req: Request, as_dict: dict[str, Any],
+                         so_far: resume.SoFar, ids: token_ids.TokenIds | None
+                         ) -> bytes | tuple[AsyncIterator[bytes], Callable[[bytes], bytes]]:
+        """_go_on's continuation on the next instance that takes it (waiting for one, and
+        replaying while the attempt policy allows); the error event when none does."""
+        stage, route, trace, attempts = (self.generator.decode_stage, req.route, req.trace,
+                                         req.attempts)
         while True:
             inst = await self._instance(stage, attempts)
             if inst is None:
@@ -197,21 +207,7 @@ class Replayer:
             replays = attempts.replayed()
             try:
                 tokens = await self._tokens(inst, as_dict, so_far.text, stage, trace.rid)
-                # A chat template may trim a prefix's trailing spaces: then the same way
-                # as a text that would not tokenize back into the tokens sent.
-                is_kept = route != CHAT or so_far.text == so_far.text.rstrip()
-                new: Body | None
-                if ids is not None and ids.is_seen and tokens == ids.ids and is_kept:
-                    count = len(tokens)
-                    new = resume.continuation(as_dict, route, so_far.text, count)
-                    fix: Callable[[bytes], bytes] = functools.partial(resume.adjust,
-                                                                      sent_tokens=count,
-                                                                      state={})
-                    how = "after"
-                else:  # it would tokenize otherwise: the same request again, less the text
-                    new, fix, how = req.fallback, resume.Skip(so_far.text, route), "again, less"
-                    if ids is not None:
-                        ids.restart()
+                new, fix, how = _continuation(req, as_dict, so_far, tokens, ids)
                 if new is None:
                     self._count(stage, "ok")
                     return resume.length_finish(so_far, route) + b"data: [DONE]\n\n"
@@ -263,3 +259,25 @@ class Replayer:
 
     def _count(self, stage: str, outcome: str) -> None:
         self.metrics.replays.labels(stage, outcome).inc()
+
+
+def _continuation(req: Request, as_dict: dict[str, Any], so_far: resume.SoFar,
+                  tokens: list[int], ids: token_ids.TokenIds | None
+                  ) -> tuple[Body | None, Callable[[bytes], bytes], str]:
+    """What goes on from the text sent, how its chunks become the client's, and how it goes
+    on: "after" the text, when the text tokenizes back into the very tokens generated; else
+    "again, less" the text (the same request). No body: nothing is left to generate."""
+    route = req.route
+    # A chat template may trim a prefix's trailing spaces: then the same way
+    # as a text that would not tokenize back into the tokens sent.
+    is_kept = route != CHAT or so_far.text == so_far.text.rstrip()
+    if ids is not None and ids.is_seen and tokens == ids.ids and is_kept:
+        count = len(tokens)
+        new = resume.continuation(as_dict, route, so_far.text, count)
+        fix: Callable[[bytes], bytes] = functools.partial(resume.adjust, sent_tokens=count,
+                                                          state={})
+        return new, fix, "after"
+    # It would tokenize otherwise: the same request again, less the text.
+    if ids is not None:
+        ids.restart()
+    return req.fallback, resume.Skip(so_far.text, route), "again, less"

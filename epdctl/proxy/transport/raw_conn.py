@@ -10,6 +10,7 @@ from typing import Protocol
 
 import httptools
 
+from epdctl.proxy.deadlines import Entry, wheel
 from epdctl.proxy.errors import UpstreamError
 
 WRITE_SLICE = 1 << 18
@@ -126,10 +127,11 @@ class RawReply:
         self._is_until_close = True  # no length, not chunked: the body ends with the connection
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
-        # One timer per reply, re-armed lazily: a wait moves the deadline, the timer looks
-        # when it fires (a stream's every chunk would otherwise make and cancel one).
+        # One deadline per reply on the loop's wheel (deadlines.py), re-armed lazily: a wait
+        # moves it, and it looks when it fires (a stream's every chunk would otherwise make
+        # and cancel one).
         self._deadline = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Entry | None = None
         self._held = 0  # bytes in _chunks
         self._is_streamed = self._is_paused = False
 
@@ -186,10 +188,10 @@ class RawReply:
         waiter = self._waiter = loop.create_future()
         self._deadline = loop.time() + self._read_s
         timer = self._timer
-        if timer is None or timer.when() > self._deadline:  # none, or set for a longer bound
+        if timer is None or timer.when > self._deadline:  # none, or set for a longer bound
             if timer is not None:
                 timer.cancel()
-            self._timer = loop.call_at(self._deadline, self._look)
+            self._timer = wheel(loop).at(self._deadline, self._look)
         await waiter
 
     def _look(self) -> None:
@@ -201,7 +203,7 @@ class RawReply:
             return
         loop = asyncio.get_running_loop()
         if loop.time() < self._deadline:
-            self._timer = loop.call_at(self._deadline, self._look)
+            self._timer = wheel(loop).at(self._deadline, self._look)
             return
         detail = f"no byte from the instance in {self._read_s:g}s"
         waiter.set_exception(UpstreamError(self._stage, self._pool.base, "timeout", detail))

@@ -1,0 +1,1 @@
+"""This machine: GPUs, /dev/shm, IPC directories, private files and modes, and signals."""

@@ -1,0 +1,1 @@
+"""`verify`: fixed prompts against a topology and its aggregated twin (the baseline)."""
