@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.vllm_harness import Server, ServerStartError, start_vllm, stop_all, wait_all_ready
+from tests.harness import Server, ServerStartError, start_engine, stop_servers, wait_all_ready
 
 READY_TIMEOUT_S = 400.0
 
@@ -36,7 +36,7 @@ class Baselines:
         server = self._servers.get(key)
         if server is None or not server.alive():
             name = f"baseline-{Path(model).name}-{len(self._servers)}"
-            server = start_vllm(model, log_path=self._logs / f"{name}.log", name=name, args=args)
+            server = start_engine(model, log_path=self._logs / f"{name}.log", name=name, args=args)
             self._servers[key] = server
         return server
 
@@ -51,5 +51,5 @@ class Baselines:
         return server
 
     def stop_all(self) -> None:
-        stop_all(self._servers.values())
+        stop_servers(self._servers.values())
         self._servers.clear()

@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from tests.baselines import Baselines
-from tests.vllm_harness import free_ports
+from tests.harness import free_ports, stop_marked
+from tests.harness import is_running as is_running  # re-exported for the suite
 
 
 @pytest.fixture(autouse=True)
@@ -141,21 +142,10 @@ def state_root(tmp_path: Path) -> Iterator[Path]:
     root = tmp_path / "state"
     root.mkdir()
     yield root
-    from epdctl.launch.processes import scan_marked, stop_all
-
     for run_dir in root.iterdir():
-        leftovers = scan_marked(run_dir)
-        if leftovers:
-            stop_all(leftovers, 2.0)
-        remove_ipc_dirs(run_dir)
-
-
-def remove_ipc_dirs(run_dir: Path) -> None:
-    """The engines' IPC directories of a run a test did not `down` (outside the state dir,
-    in the temp dir, where its path is too long for a socket's)."""
-    from epdctl.host import ipc
-
-    ipc.remove_all(run_dir)
+        # With the engines' IPC directories a test did not `down` (outside the state dir,
+        # in the temp dir, where its path is too long for a socket's).
+        stop_marked(run_dir, 2.0)
 
 
 @pytest.fixture
@@ -197,16 +187,6 @@ def fake_topology(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie lingers until init reaps it)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def run_pids(state_root: Path, name: str = "fake") -> dict[str, int]:

@@ -15,7 +15,7 @@ import wave
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tests.vllm_harness import image_data_url, make_image
+from tests.harness import image_data_url, make_image
 
 Part = dict[str, Any]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 WAIT_S = 10.0
 """Long enough for an event on a loaded 2-core machine; a test that waits longer is broken."""
@@ -29,3 +30,15 @@ def until_sync(predicate: Callable[[], object], what: str, timeout_s: float = WA
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened within {timeout_s:g}s: {what}")
         time.sleep(poll_s)
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float = 30.0,
+             interval_s: float = 0.1) -> Any:
+    """Poll until predicate() is truthy; its last value (falsy at the deadline), for a test
+    that asserts on it (the EC store's counters flush once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)

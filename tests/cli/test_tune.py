@@ -16,7 +16,7 @@ from epdctl.topology.model import load_topology
 from epdctl.tune.decide import above_knee, knee_rate
 from epdctl.tune.model import ATTAINMENT
 from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS
-from tests.vllm_harness import free_ports
+from tests.harness import free_ports
 
 
 def _base(tmp_path: Path) -> Path:

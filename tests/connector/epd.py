@@ -19,7 +19,15 @@ from typing import Any
 from epdctl.cache import CONNECTOR_MODULE, CONNECTOR_NAME
 from epdctl.cache.stats import read_stats
 from epdctl.cache.store import Store
-from tests.vllm_harness import Server, image_data_url, make_image, start_vllm, wait_all_ready
+from tests.harness import (
+    Server,
+    image_data_url,
+    make_image,
+    start_engine,
+    stop_marked,
+    stop_servers,
+    wait_all_ready,
+)
 
 NAMESPACE = "e2e-test"
 # DEBUG shows vLLM's "Finish execute for mm hash H" (the encoder ran) and our
@@ -68,31 +76,24 @@ def epd(model: Path, logs: Path, *, baseline: Server | None = None) -> Iterator[
     """Start E and PD (beside a baseline that may still be starting); stop them and remove
     the store afterwards (the baseline is the session's: tests/baselines.py)."""
     store_dir = Path(tempfile.mkdtemp(prefix="epdctl-test-", dir="/dev/shm"))
-    servers = {
-        "encode": start_vllm(
-            model,
-            log_path=logs / "encode.log",
-            name="encode",
-            env=DEBUG_ENV,
-            args=("--ec-transfer-config", ec_config("ec_producer", store_dir, "t-encode-0")),
-        ),
-        "pd": start_vllm(
-            model,
-            log_path=logs / "pd.log",
-            name="pd",
-            env=DEBUG_ENV,
-            args=("--ec-transfer-config", ec_config("ec_consumer", store_dir, "t-pd-0")),
-        ),
-    }
+    servers: dict[str, Server] = {}
     try:
+        for name, role, engine_id in (("encode", "ec_producer", "t-encode-0"),
+                                      ("pd", "ec_consumer", "t-pd-0")):
+            servers[name] = start_engine(
+                model,
+                log_path=logs / f"{name}.log",
+                name=name,
+                env=DEBUG_ENV,
+                args=("--ec-transfer-config", ec_config(role, store_dir, engine_id)),
+            )
         wait_all_ready(servers.values(), 300)
         if baseline is not None:
             wait_all_ready([baseline], 300, stop_on_failure=False)
         yield EPD(servers["encode"], servers["pd"], store_dir, baseline)
     finally:
-        from tests.vllm_harness import stop_all
-
-        stop_all(servers.values())
+        stop_servers(servers.values())
+        stop_marked(logs)  # what a failed start left: E and PD are marked with their log dir
         shutil.rmtree(store_dir, ignore_errors=True)
 
 

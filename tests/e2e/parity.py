@@ -19,8 +19,7 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.topology_run import TopologyRun, cache_entry, wait_for
-from tests.vllm_harness import image_data_url, make_image
+from tests.harness import TopologyRun, cache_entry, image_data_url, make_image, wait_for
 
 MODEL = "tiny-llava"
 IMAGE = image_data_url(make_image(61))

@@ -17,8 +17,13 @@ import pytest
 import yaml
 
 from epdctl.bench.estimates import FIGURES as WITH_INTERVALS
-from tests.e2e.topology_run import cli_env, release_new_semaphores, store_files, write_topology
-from tests.vllm_harness import copy_topology
+from tests.harness import (
+    cli_env,
+    copy_topology,
+    release_new_semaphores,
+    store_files,
+    write_topology,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 NUM_PROMPTS = 12

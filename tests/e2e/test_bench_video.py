@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.topology_run import cli_env, release_new_semaphores, store_files, write_topology
+from tests.harness import cli_env, release_new_semaphores, store_files, write_topology
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 NUM_PROMPTS = 6

@@ -18,27 +18,25 @@ import pytest
 
 from tests.baselines import Baselines
 from tests.e2e.parity import bench, compare, missing_image, responses_image_entry
-from tests.e2e.topology_run import (
+from tests.harness import (
+    Server,
     TopologyRun,
     cache_entry,
+    chat,
+    chat_completion,
+    chat_messages,
     check_all_ready,
     check_down,
     check_logs,
     check_verify,
     encoder_posts,
+    image_data_url,
+    make_image,
     proxy_counters,
     store_counters,
     topology_up,
     wait_for,
     write_topology,
-)
-from tests.vllm_harness import (
-    Server,
-    chat,
-    chat_completion,
-    chat_messages,
-    image_data_url,
-    make_image,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]

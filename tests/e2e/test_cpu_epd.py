@@ -15,19 +15,22 @@ import pytest
 from tests.baselines import Baselines
 from tests.e2e.parity import bench, compare, missing_image, responses_image_entry
 from tests.e2e.second_proxy import second_proxy
-from tests.e2e.topology_run import (
+from tests.harness import (
+    Server,
     TopologyRun,
     cache_entry,
+    chat,
     check_all_ready,
     check_down,
     check_logs,
     check_verify,
+    image_data_url,
+    make_image,
     proxy_counters,
     topology_with_baseline,
     wait_for,
     write_topology,
 )
-from tests.vllm_harness import Server, chat, image_data_url, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-llava"

@@ -13,17 +13,20 @@ import pytest
 import yaml
 
 from tests.baselines import Baselines
-from tests.e2e.topology_run import (
+from tests.harness import (
+    Server,
     TopologyRun,
+    chat,
     check_all_ready,
     check_down,
     check_logs,
+    image_data_url,
+    make_image,
     topology_with_baseline,
     wait_for,
     write_topology,
 )
 from tests.reliability.helpers import kill_group
-from tests.vllm_harness import Server, chat, image_data_url, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-llava"

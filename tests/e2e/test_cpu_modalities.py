@@ -26,10 +26,12 @@ import pytest
 import yaml
 
 from tests.baselines import AUDIO_ARGS, QWEN2VL_ARGS, Baselines
-from tests.e2e.topology_run import (
+from tests.harness import (
+    Server,
     TopologyRun,
     cache_entry,
     encoder_posts,
+    make_image,
     proxy_counters,
     topology_with_baseline,
     wait_for,
@@ -45,7 +47,6 @@ from tests.media_samples import (
     make_wav,
     video_part,
 )
-from tests.vllm_harness import Server, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -4,23 +4,23 @@ the CPU demo: vLLM loads it in E and PD, E saves through it and PD loads through
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.topology_run import (
-    READY_TIMEOUT_S,
+from tests.harness import (
+    REPO,
     TopologyRun,
-    cli_env,
+    chat,
+    image_data_url,
     leftovers,
-    release_new_semaphores,
+    make_image,
+    topology_up,
     wait_for,
     write_topology,
 )
-from tests.vllm_harness import REPO, chat, image_data_url, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "tiny-llava"
@@ -39,17 +39,8 @@ def oot(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     data["cache"].update(connector=CONNECTOR, extra_config={
         "shared_storage_path": str(tmp / "files"), "record_path": str(tmp / "record.txt")})
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    run = TopologyRun(path, tmp / "state", cache_dir, cli_env())
-    with release_new_semaphores():
-        try:
-            up = run.cli("up", str(path), "-d", "--timeout", str(READY_TIMEOUT_S),
-                         timeout_s=READY_TIMEOUT_S + 60)
-            assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
-            yield run
-        finally:
-            if run.is_up():
-                run.cli("down", timeout_s=90)
-            shutil.rmtree(cache_dir, ignore_errors=True)
+    with topology_up(path, cache_dir, tmp / "state") as run:
+        yield run
 
 
 def _record(run: TopologyRun) -> list[str]:

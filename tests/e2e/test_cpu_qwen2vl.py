@@ -9,8 +9,6 @@ load and HF-processor call of each instance in a file of its own.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,21 +16,28 @@ import pytest
 
 from epdctl.proxy.config import UPSTREAM_KEY_ENV
 from tests.baselines import QWEN2VL_ARGS, Baselines
-from tests.e2e.topology_run import (
-    MEDIA_PROBE,
+from tests.harness import (
+    Server,
     TopologyRun,
+    chat,
     check_all_ready,
     check_down,
     check_logs,
     check_verify,
     encoder_posts,
+    image_data_url,
+    make_image,
+    process_up,
     proxy_counters,
+    proxy_spec,
     store_counters,
     topology_with_baseline,
     wait_for,
     write_topology,
 )
-from tests.vllm_harness import Server, chat, free_port, image_data_url, make_image
+
+MEDIA_PROBE = Path(__file__).parent / "probe"
+"""A sitecustomize that logs the media loads and HF processor calls of PD's processes."""
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-qwen2vl"
@@ -63,27 +68,14 @@ def qwen(
 @pytest.fixture(scope="module")
 def plain_proxy(qwen: tuple[TopologyRun, Server]) -> Iterator[str]:
     """A second proxy before the same E and PD, with the metadata rewrite off."""
-    from epdctl.launch.processes import probe
-
     run, _ = qwen
     specs = {s.name: s.spec() for s in run.state().specs}
-    port = free_port()
-    log = open(run.run_dir / "logs" / "plain-proxy.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
-         "--encode", specs["encode-0"].url, "--prefill-decode", specs["pd-0"].url,
-         "--no-metadata-rewrite"],
-        env={**os.environ, UPSTREAM_KEY_ENV: run.state().internal_key},
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_for(lambda: proc.poll() is None and probe(f"{url}/health") == 200, 60, 0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    spec = proxy_spec("plain-proxy", run.run_dir / "logs" / "plain-proxy.log",
+                      ("--model", MODEL, "--encode", specs["encode-0"].url,
+                       "--prefill-decode", specs["pd-0"].url, "--no-metadata-rewrite"),
+                      env={UPSTREAM_KEY_ENV: run.state().internal_key})
+    with process_up(spec, run.run_dir) as proxy:
+        yield proxy.url
 
 
 class Probe:

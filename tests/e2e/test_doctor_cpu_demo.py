@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_harness import copy_topology
+from tests.harness import copy_topology
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 # The CLI as a user runs it, then a word on whether vLLM got into the CLI's own process.

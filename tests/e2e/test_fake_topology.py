@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import FAKE_PROXY, is_running, run_pids
-from tests.e2e.topology_run import wait_for
+from tests.harness import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 

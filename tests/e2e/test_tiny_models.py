@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.baselines import QWEN2VL_ARGS, Baselines
-from tests.vllm_harness import (
+from tests.harness import (
     TOPOLOGIES,
     Server,
     chat,

@@ -15,10 +15,11 @@ import pytest
 
 from epdctl.topology.model import load_topology
 from epdctl.tune.model import ATTAINMENT
-from tests.e2e.topology_run import (
+from tests.harness import (
     cli_env,
     leftovers,
     release_new_semaphores,
+    stop_marked,
     topology_up,
     write_topology,
 )
@@ -33,12 +34,8 @@ NUM_PROMPTS = 6
 
 def stop_everything_under(state_root: Path) -> None:
     """Whatever a killed `tune` left running: every process group marked for a run dir."""
-    from epdctl.launch.processes import scan_marked, stop_all
-
     for run_dir in state_root.iterdir() if state_root.is_dir() else ():
-        found = scan_marked(run_dir)
-        if found:
-            stop_all(found, 5.0)
+        stop_marked(run_dir)
 
 
 def test_tune_cpu_demo_confirms_two_and_writes_a_topology_up_runs(tiny_llava: Path,

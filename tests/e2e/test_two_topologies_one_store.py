@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,15 @@ import yaml
 
 from epdctl.cache.store import Store
 from epdctl.cache.store_root import record_namespace
-from tests.e2e.topology_run import (
+from tests.harness import (
     TopologyRun,
-    cli_env,
-    release_new_semaphores,
+    chat,
+    copy_topology,
+    image_data_url,
+    make_image,
+    topology_up,
     wait_for,
 )
-from tests.vllm_harness import chat, copy_topology, image_data_url, make_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 MODEL = "tiny-llava"
@@ -40,29 +43,16 @@ def pair(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp("two-topologies")
     root = Path(tempfile.mkdtemp(prefix="epdctl-test-", dir="/dev/shm"))
     state_root = tmp / "state"
-    runs = []
-    for src in ("cpu-demo", "cpu-demo-example-connector"):
-        path = copy_topology(src, tmp, model=tiny_llava, cache_dir=root)
-        runs.append(TopologyRun(path, state_root, root, cli_env()))
-    ours, example = runs
-    assert yaml.safe_load(example.path.read_text())["cache"]["connector"] == "ECExampleConnector"
-    try:
-        with release_new_semaphores():
-            for run in runs:
-                up = run.cli("up", str(run.path), "-d", "--timeout", str(READY_TIMEOUT_S),
-                             timeout_s=READY_TIMEOUT_S + 60)
-                assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
-            yield ours, example
-            for run in runs:
-                if run.is_up():
-                    run.cli("down", "--name", run.name, timeout_s=90)
-    finally:
-        from epdctl.launch.processes import scan_marked, stop_all
-
-        for run in runs:
-            if leftovers := scan_marked(run.run_dir):
-                stop_all(leftovers, 5.0)
-        shutil.rmtree(root, ignore_errors=True)
+    paths = [copy_topology(src, tmp, model=tiny_llava, cache_dir=root)
+             for src in ("cpu-demo", "cpu-demo-example-connector")]
+    assert yaml.safe_load(paths[1].read_text())["cache"]["connector"] == "ECExampleConnector"
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, root, ignore_errors=True)  # after both are stopped
+        ours, example = (
+            stack.enter_context(topology_up(path, root, state_root, timeout_s=READY_TIMEOUT_S,
+                                            should_remove_cache=False))
+            for path in paths)
+        yield ours, example
 
 
 def _entry_paths(ours: TopologyRun, example: TopologyRun, key: str) -> tuple[Path, Path]:

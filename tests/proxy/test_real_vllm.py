@@ -6,22 +6,25 @@ official openai client; PD loaded E's encoding from the store instead of encodin
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from epdctl.proxy.request.media import content_key
 from tests.baselines import Baselines
-from tests.vllm_harness import chat, free_port, image_data_url, make_image
+from tests.connector.epd import epd
+from tests.harness import (
+    chat,
+    image_data_url,
+    make_image,
+    process_up,
+    proxy_spec,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+PROXY_READY_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -29,35 +32,13 @@ def stack(
     tiny_llava: Path, baselines: Baselines, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, object, Path]]:
     """E, PD and a baseline (real vLLM) plus `python -m epdctl.proxy` in front of E and PD."""
-    from tests.connector.epd import epd
-
     model = tiny_llava
     logs = tmp_path_factory.mktemp("proxy-real")
     with epd(model, logs, baseline=baselines.start(model)) as servers:
-        port = free_port()
-        log = logs / "proxy.log"
-        with log.open("wb") as out:
-            proxy = subprocess.Popen(
-                [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", str(model),
-                 "--encode", servers.encoder.url, "--prefill-decode", servers.pd.url],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 30
-            while not _healthy(url):
-                assert proxy.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
-            yield url, servers, log
-        finally:
-            os.killpg(proxy.pid, signal.SIGTERM)
-            proxy.wait(10)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health").status_code == 200
-    except httpx.HTTPError:
-        return False
+        spec = proxy_spec("proxy", logs / "proxy.log", ("--model", str(model), "--encode",
+                          servers.encoder.url, "--prefill-decode", servers.pd.url))
+        with process_up(spec, logs, PROXY_READY_S) as proxy:
+            yield proxy.url, servers, proxy.log_path
 
 
 @pytest.mark.parametrize("is_streamed", [False, True], ids=["plain", "stream"])

@@ -6,14 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from tests.conftest import FAKE_PROXY
-from tests.e2e.topology_run import wait_for as wait_for  # re-exported for the suite
+from tests.harness import edit_topology as edit_topology  # re-exported for the suite
+from tests.harness import wait_for as wait_for
 
 
 def cli_env(state_root: Path, *, fake_proxy: bool = True) -> dict[str, str]:
@@ -45,14 +43,6 @@ def spawn_epdctl(env: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "epdctl", *args], env=dict(env), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, preexec_fn=_interruptible)
-
-
-def edit_topology(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
-    """Load the topology YAML, let `change` edit the dict in place, write it back."""
-    data = yaml.safe_load(path.read_text())
-    change(data)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def marked_pids(run_dir: Path) -> set[int]:

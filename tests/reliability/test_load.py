@@ -29,18 +29,9 @@ import httpx
 import pytest
 
 from epdctl.proxy.config import UPSTREAM_KEY_ENV
-from tests.e2e.topology_run import TopologyRun
+from tests.harness import TopologyRun, edited_topology, process_up, proxy_spec, store_root
 from tests.reliability.helpers import wait_for
-from tests.reliability.realrun import (
-    Probe,
-    answer,
-    body,
-    broken_store,
-    image,
-    store_root,
-    streamed,
-    topology,
-)
+from tests.reliability.probe import Probe, answer, body, broken_store, image, streamed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "tiny-qwen2vl"
@@ -62,7 +53,7 @@ def run(tiny_qwen2vl: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         def change(data: dict[str, Any]) -> None:
             data["cache"].update(capacity=CAPACITY, grace="1s", ttl="10m")
 
-        with topology("cpu-qwen2vl", tmp, tiny_qwen2vl, cache_dir, change) as running:
+        with edited_topology("cpu-qwen2vl", tmp, tiny_qwen2vl, cache_dir, change) as running:
             yield running
 
 
@@ -79,13 +70,9 @@ def evicting_proxy(run: TopologyRun, entries: Path) -> Iterator[tuple[str, list[
     every entry E reports before passing E's answer on: each one is evicted after E saved
     and reported it and before PD can pin it. Yields the proxy URL and the keys deleted."""
     import http.client
-    import subprocess
-    import sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from epdctl.cache._format import ENTRY_SUFFIX, key_filename
-    from epdctl.launch.processes import probe
-    from tests.vllm_harness import free_port
 
     specs = {s.name: s for s in run.state().specs}
     e_port = specs["encode-0"].port
@@ -124,22 +111,14 @@ def evicting_proxy(run: TopologyRun, entries: Path) -> Iterator[tuple[str, list[
 
     shim = ThreadingHTTPServer(("127.0.0.1", 0), Shim)
     threading.Thread(target=shim.serve_forever, daemon=True).start()
-    port = free_port()
-    log = open(run.run_dir / "logs" / "evicting-proxy.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "epdctl.proxy", "--port", str(port), "--model", MODEL,
-         "--encode", f"http://127.0.0.1:{shim.server_address[1]}",
-         "--prefill-decode", f"http://127.0.0.1:{specs['pd-0'].port}"],
-        env={**os.environ, UPSTREAM_KEY_ENV: run.state().internal_key},
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    spec = proxy_spec("evicting-proxy", run.run_dir / "logs" / "evicting-proxy.log",
+                      ("--model", MODEL, "--encode", f"http://127.0.0.1:{shim.server_address[1]}",
+                       "--prefill-decode", f"http://127.0.0.1:{specs['pd-0'].port}"),
+                      env={UPSTREAM_KEY_ENV: run.state().internal_key})
     try:
-        assert wait_for(lambda: proc.poll() is None and probe(f"{url}/health") == 200, 60, 0.2)
-        yield url, deleted
+        with process_up(spec, run.run_dir) as proxy:
+            yield proxy.url, deleted
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
         shim.shutdown()
         shim.server_close()
 

@@ -19,18 +19,16 @@ from typing import Any
 import pytest
 
 from epdctl.cache.store import Store
-from tests.e2e.topology_run import TopologyRun, cache_entry, proxy_counters, store_counters
-from tests.reliability.helpers import kill_group, wait_for
-from tests.reliability.realrun import (
-    Probe,
-    answer,
-    body,
-    debug_logs,
-    image,
-    reference,
+from tests.harness import (
+    TopologyRun,
+    cache_entry,
+    edited_topology,
+    proxy_counters,
+    store_counters,
     store_root,
-    topology,
 )
+from tests.reliability.helpers import kill_group, wait_for
+from tests.reliability.probe import Probe, answer, body, debug_logs, image, reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "tiny-llava"
@@ -51,7 +49,7 @@ def probe(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             if is_small:
                 data["cache"]["capacity"] = "2MiB"  # the tmpfs is 4 MiB
 
-        with topology("cpu-demo", tmp, tiny_llava, cache_dir, change) as running:
+        with edited_topology("cpu-demo", tmp, tiny_llava, cache_dir, change) as running:
             yield Probe(running)
 
 

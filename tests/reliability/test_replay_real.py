@@ -31,9 +31,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.topology_run import TopologyRun, check_down
+from tests.harness import TopologyRun, check_down, edited_topology, store_root
 from tests.reliability.helpers import kill_group, wait_for
-from tests.reliability.realrun import Probe, body, image, store_root, topology
+from tests.reliability.probe import Probe, body, image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-llava"
@@ -66,7 +66,7 @@ def run(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             if is_small:
                 data["cache"]["capacity"] = "2MiB"  # the tmpfs is 4 MiB
 
-        with topology("cpu-demo", tmp, tiny_llava, cache_dir, change) as running:
+        with edited_topology("cpu-demo", tmp, tiny_llava, cache_dir, change) as running:
             yield running
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from epdctl.bench.workload import png
-from tests.vllm_harness import free_ports
+from tests.harness import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 IMAGE = "data:image/png;base64," + base64.b64encode(png(32, 32, 3)).decode()

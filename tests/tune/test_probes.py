@@ -15,7 +15,7 @@ from epdctl.tune.candidates import GIB, Limits, Pool, Shape, candidates, place
 from epdctl.tune.facts import ModelFacts
 from epdctl.tune.model import needed_stages
 from epdctl.tune.probes import HANDOFF, Bodies, Measurements, probe_shapes, profile_running
-from tests.vllm_harness import free_ports
+from tests.harness import free_ports
 
 DELAYED_PROXY = Path(__file__).parents[1] / "delayed_proxy.py"
 

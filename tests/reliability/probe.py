@@ -1,13 +1,11 @@
-"""Real CPU topologies for the reliability suite: a test copy brought up by the CLI, and probes."""
+"""What the reliability suite does to and asks of a running CPU topology (tests/harness starts
+it): a broken store, requests, and probes of its state, health and logs."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
-import shutil
-import subprocess
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,57 +14,7 @@ from typing import Any
 import httpx
 import psutil
 
-from tests.e2e.topology_run import (
-    READY_TIMEOUT_S,
-    TopologyRun,
-    _stop_leftovers,
-    cli_env,
-    release_new_semaphores,
-)
-from tests.reliability.helpers import edit_topology, wait_for
-from tests.vllm_harness import copy_topology, image_data_url, make_image
-
-
-@contextmanager
-def store_root(tmp: Path, size: str = "4m") -> Iterator[tuple[Path, bool]]:
-    """A store root on a tmpfs of its own (so a test can really fill it), when this process
-    may mount one (root); else a private directory under /dev/shm. Yields (path, is_small).
-
-    EPDCTL_TEST_NO_TMPFS=1 takes the second way as root too (what CI without root does).
-    """
-    small = tmp / "small-shm"
-    small.mkdir()
-    may_mount = os.geteuid() == 0 and not os.environ.get("EPDCTL_TEST_NO_TMPFS")
-    is_mounted = may_mount and shutil.which("mount") is not None and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "epdctl-test", str(small)],
-        capture_output=True).returncode == 0
-    path = small if is_mounted else Path(f"/dev/shm/epdctl-test-{uuid.uuid4().hex[:8]}")
-    try:
-        yield path, is_mounted
-    finally:
-        if is_mounted:
-            subprocess.run(["umount", "-l", str(small)], capture_output=True)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-@contextmanager
-def topology(src: str, tmp: Path, model: Path, cache_dir: Path,
-             change: Callable[[dict[str, Any]], None]) -> Iterator[TopologyRun]:
-    """`up -d` a test copy of topologies/<src>.yaml (free ports, this store root, `change`d);
-    `down` after, and stop whatever `down` missed."""
-    path = edit_topology(copy_topology(src, tmp, model=model, cache_dir=cache_dir), change)
-    run = TopologyRun(path, tmp / "state", cache_dir, cli_env())
-    with release_new_semaphores():
-        try:
-            up = run.cli("up", str(path), "-d", "--timeout", str(READY_TIMEOUT_S),
-                         timeout_s=READY_TIMEOUT_S + 60)
-            assert up.returncode == 0, f"up failed:\n{up.stdout}\n{up.stderr}"
-            yield run
-        finally:
-            if run.is_up():
-                run.cli("down", "--name", run.name, timeout_s=90)
-            _stop_leftovers(run)
+from tests.harness import TopologyRun, image_data_url, make_image, wait_for
 
 
 @contextmanager
