@@ -16,9 +16,8 @@ import httpx
 import pytest
 
 from tests.baselines import Baselines
-from tests.e2e.topology_run import leftovers, topology_up, wait_for, write_topology
-from tests.reliability.helpers import edit_topology
-from tests.reliability.realrun import answer, body, image, streamed
+from tests.harness import edit_topology, leftovers, topology_up, wait_for, write_topology
+from tests.reliability.probe import answer, body, image, streamed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-llava"
