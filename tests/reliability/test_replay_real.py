@@ -300,10 +300,6 @@ def test_no_pd_left_waits_for_the_restart(probe: Probe) -> None:
     wait_ready(probe, {"pd-0": restarts["pd-0"] + 1, "pd-1": restarts["pd-1"] + 1})
 
 
-def test_down_leaves_nothing(run: TopologyRun) -> None:
-    check_down(run)
-
-
 def test_restart_one_pd_under_load_answers_every_request_exactly(probe: Probe) -> None:
     """`epdctl restart pd-0` while the 12 requests (half streamed) are under way: pd-0 gets
     nothing new (pd-1 takes it), finishes what it has, restarts and is taken back; every
@@ -329,3 +325,7 @@ def test_restart_one_pd_under_load_answers_every_request_exactly(probe: Probe) -
     assert status["pd-0"]["restarts"] == restarts["pd-0"]  # asked for: not a crash
     assert restarted["cut"] == 0
     assert wait_for(lambda: probe.health()[1].get("status") == "ok", 60), probe.health()
+
+
+def test_down_leaves_nothing(run: TopologyRun) -> None:
+    check_down(run)
