@@ -118,6 +118,16 @@ class Upstreams:
         if not is_draining:
             self._wake()
 
+    async def revival(self) -> None:
+        """Until an instance begins a new life or is re-admitted (the caller bounds the
+        wait)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self.revived.add(waiter)
+        try:
+            await waiter
+        finally:
+            self.revived.discard(waiter)
+
     def _wake(self) -> None:
         for waiter in self.revived:
             if not waiter.done():

@@ -3,7 +3,6 @@ peek at streams before they are committed, relay them."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -80,12 +79,7 @@ class Generator:
         try:
             with deadline(self.config.replay_wait_s):
                 while not pool.healthy and pool.draining:
-                    waiter = asyncio.get_running_loop().create_future()
-                    self.upstreams.revived.add(waiter)
-                    try:
-                        await waiter
-                    finally:
-                        self.upstreams.revived.discard(waiter)
+                    await self.upstreams.revival()
         except TimeoutError:
             raise ProxyError(503, f"every {pool.role} instance is restarting; retry later",
                              headers={"retry-after": str(self.config.retry_after_s)}) from None

@@ -107,14 +107,10 @@ class Replayer:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            waiter = asyncio.get_running_loop().create_future()
-            self.upstreams.revived.add(waiter)
             try:
-                await asyncio.wait_for(waiter, left)
+                await asyncio.wait_for(self.upstreams.revival(), left)
             except TimeoutError:
                 return None
-            finally:
-                self.upstreams.revived.discard(waiter)
 
     async def _resuming(self, stream: AsyncIterator[bytes], req: Request,
                         body: dict[str, Any], ids: token_ids.TokenIds | None
