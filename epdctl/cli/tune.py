@@ -105,7 +105,7 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     progress = _Err()
     live.use_sim_bench_command()
     profiler = live.LiveProfiler(app.state_root, out, Bodies(workload, base.model_name),
-                                 tokens, timeout_s=timeout_s)
+                                 tokens, timeout_s=timeout_s, tpot_ms=settings.slo.tpot_ms)
     confirmer = live.LiveConfirmer(workload, app.state_root, out, timeout_s=timeout_s,
                                    progress=progress, points=confirm_points,
                                    steps=knee_steps)

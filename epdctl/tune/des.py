@@ -22,6 +22,8 @@ class StepCost:
     """Per prompt token the step prefills."""
     per_seq_ms: float = 0.0
     """Per running request the step decodes a token for."""
+    per_seq2_ms: float = 0.0
+    """Per running request squared (a decode step that grows faster than its batch)."""
     per_kctx_ms: float = 0.0
     """Per thousand tokens of context among the decoding requests."""
     max_images: int = 16
@@ -41,7 +43,8 @@ class StepCost:
         if self.prefill_fixed_ms is not None and (images or tokens):
             fixed = max(fixed, self.prefill_fixed_ms)
         return (fixed + self.per_image_ms * images + self.per_token_ms * tokens
-                + self.per_seq_ms * seqs + self.per_kctx_ms * context / 1000)
+                + self.per_seq_ms * seqs + self.per_seq2_ms * seqs * seqs
+                + self.per_kctx_ms * context / 1000)
 
 
 class Sim:

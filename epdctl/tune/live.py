@@ -84,9 +84,12 @@ class _RunnerProgress:
 
 class LiveProfiler:
     def __init__(self, state_root: Path, out_dir: Path, bodies: Bodies, tokens: int, *,
-                 timeout_s: float, levels: Sequence[int] = LEVELS) -> None:
+                 timeout_s: float, levels: Sequence[int] = LEVELS,
+                 tpot_ms: float | None = None) -> None:
         self.state_root, self.out_dir = state_root, out_dir
         self.bodies, self.tokens, self.timeout_s, self.levels = bodies, tokens, timeout_s, levels
+        self.tpot_ms = tpot_ms
+        """The SLO's TPOT limit: decoders are profiled up to the batch it allows."""
 
     @unwinding()  # SIGTERM and SIGHUP too take the probe topology down
     def __call__(self, shape: Shape, topology: Topology, known: frozenset[str] = frozenset()
@@ -98,7 +101,7 @@ class LiveProfiler:
         state = start_detached(run, self.timeout_s)
         try:
             return asyncio.run(profile_running(state, shape, self.bodies, self.tokens,
-                                               self.levels, known))
+                                               self.levels, known, self.tpot_ms))
         finally:
             stop(run.sdir, run.sdir.read())
 

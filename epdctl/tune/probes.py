@@ -149,6 +149,14 @@ def _max_seqs(spec: SpecModel) -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
+@dataclass(frozen=True)
+class _Levels:
+    """The levels every stage is timed at, and the TPOT limit decoders go on to."""
+
+    levels: Sequence[int]
+    tpot_ms: float | None = None
+
+
 @dataclass
 class Measurements:
     """What one probe topology gave: step costs by stage key, and the hand-off costs."""
@@ -164,12 +172,13 @@ class Measurements:
 
 
 async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens: int,
-                          levels: Sequence[int] = LEVELS, known: Collection[str] = ()
-                          ) -> Measurements:
+                          levels: Sequence[int] = LEVELS, known: Collection[str] = (),
+                          tpot_ms: float | None = None) -> Measurements:
     """Profile each instance of a running probe topology alone (one of each role), but for
     the stage keys in `known` (an earlier probe profiled them: an E in front of every E|PD
     and E|P|D probe is timed once, not in each); and where it has E and PD, unless `known`
-    holds HANDOFF, the EC hand-off through its proxy."""
+    holds HANDOFF, the EC hand-off through its proxy. Decoders are timed up to the batch
+    the TPOT limit `tpot_ms` allows (profile_decode)."""
     specs = {s.role: s for s in state.engines}
     proxy = state.proxy
     key = state.proxy_api_key
@@ -177,7 +186,8 @@ async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens:
                  proxy.url: {"authorization": f"Bearer {key}"} if key else {}})
     out = Measurements()
     try:
-        await _profile(http, specs, shape, bodies, tokens, levels, out, frozenset(known))
+        await _profile(http, specs, shape, bodies, tokens, _Levels(levels, tpot_ms), out,
+                       frozenset(known))
         if {"encode", "prefill_decode"} <= specs.keys() and HANDOFF not in known:
             out.ec_ms, out.series["ec_handoff"] = await _handoff(
                 http, proxy.url, specs["encode"].url, specs["prefill_decode"].url, bodies)
@@ -187,15 +197,16 @@ async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens:
 
 
 async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies: Bodies,
-                   tokens: int, levels: Sequence[int], out: Measurements,
+                   tokens: int, at: _Levels, out: Measurements,
                    known: frozenset[str]) -> None:
     send: Send = http.send
+    levels = at.levels
     if "encode" in specs and "encode" not in known:
         e_url = specs["encode"].url
         cost, series = await profile_encode(send, e_url, bodies.encoder, levels)
         out.stages["encode"], out.series["encode"] = cost, series.as_json()
     if "prefill_decode" in specs:
-        await _profile_pd(http, specs, shape, bodies, tokens, levels, out, known)
+        await _profile_pd(http, specs, shape, bodies, tokens, at, out, known)
     if "prefill" in specs and "decode" in specs:
         p, d = specs["prefill"], specs["decode"]
         p_key, d_key = stage_key("prefill", p.tensor_parallel), stage_key("decode",
@@ -210,16 +221,17 @@ async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies
             return
         d_send = _after_prefill(http, p.url, specs["encode"].url if "encode" in specs else None)
         decode, s2 = await profile_decode(
-            d_send, d.url, lambda n: bodies.chat(20_000 + n, DECODE_TOKENS, True), levels)
+            d_send, d.url, lambda n: bodies.chat(20_000 + n, DECODE_TOKENS, True), levels,
+            at.tpot_ms, _max_seqs(d))
         out.stages[d_key] = replace_seqs(decode, _max_seqs(d))
         out.series["decode"] = s2.as_json()
         one = await d_send(d.url, bodies.chat(30_000, DECODE_TOKENS, True))
-        step = (decode.fixed_ms + decode.per_seq_ms) / 1000
+        step = decode.ms(0, 0, 1, 0) / 1000
         out.kv_ms = max((one.first - one.start - step) * 1000, 0.0)
 
 
 async def _profile_pd(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies: Bodies,
-                      tokens: int, levels: Sequence[int], out: Measurements,
+                      tokens: int, at: _Levels, out: Measurements,
                       known: frozenset[str]) -> None:
     """PD's prefill and decode (unless known), and beside a shared GPU's busy E how much
     slower its decode gets (against its decode alone at the top level, timed again then)."""
@@ -228,19 +240,22 @@ async def _profile_pd(http: Http, specs: dict[str, SpecModel], shape: Shape, bod
     key = stage_key("prefill_decode", spec.tensor_parallel, encodes=encodes)
     send = http.send if encodes else _after_encoder(http, specs["encode"].url, bodies)
     decode_body = lambda n: bodies.chat(10_000 + n, DECODE_TOKENS, True)  # noqa: E731
+    levels = at.levels
     if key not in known:
         prefill, s1 = await profile_prefill(send, spec.url, lambda n: bodies.chat(n, 1),
                                             tokens, levels)
-        decode, s2 = await profile_decode(send, spec.url, decode_body, levels)
+        decode, s2 = await profile_decode(send, spec.url, decode_body, levels, at.tpot_ms,
+                                          _max_seqs(spec))
         out.stages[key] = combine(prefill, decode, _max_seqs(spec))
         out.series[key] = {"prefill": s1.as_json(), "decode": s2.as_json()}
     if not shape.shared or encodes:
         return
     if key in known:
         _, s2 = await profile_decode(send, spec.url, decode_body, levels[-1:])
-    alone = s2.values[-1]
+    top = levels[-1]  # not a level the decode profile went on to (decode_levels)
+    alone = s2.values[s2.levels.index(top)]
     loaded = await _beside_busy_encoder(http.send, specs["encode"].url, bodies, send, spec.url,
-                                        s2.levels[-1])
+                                        top)
     out.sharing_slowdown = slowdown(alone, loaded)
     out.series["sharing"] = {"alone_ms": alone * 1000, "loaded_ms": loaded * 1000}
 

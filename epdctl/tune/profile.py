@@ -19,6 +19,9 @@ from epdctl.tune.des import StepCost
 
 LEVELS = (1, 2, 4, 8)
 """Requests in flight at which each stage is timed."""
+MAX_DECODE_LEVEL = 64
+"""The most requests a decode profile sends at once while it looks for the batch the TPOT
+limit allows (decode_levels)."""
 ROUNDS = 3
 """Requests each worker sends per level (the first round fills the batch)."""
 DECODE_TOKENS = 16
@@ -79,6 +82,37 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return a, b
 
 
+def fit_curve(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least squares y = a + b x + c x^2 with a, b and c at 0 or more: each subset of the
+    three terms fitted, the best fit whose terms are all non-negative kept (an exact
+    non-negative fit for three terms). A line where the points lie on one; the square term
+    where steps grow faster than the batch (a decode step super-linear in it)."""
+    import itertools
+
+    import numpy as np
+
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    if len(x) == 0:
+        return 0.0, 0.0, 0.0
+    columns = (np.ones_like(x), x, x * x)
+    best: tuple[float, tuple[float, float, float]] = (float(np.sum(y * y)), (0.0, 0.0, 0.0))
+    for size in (1, 2, 3):
+        for terms in itertools.combinations(range(3), size):
+            if len(x) < size:
+                continue
+            design = np.stack([columns[t] for t in terms], axis=1)
+            coef = np.linalg.lstsq(design, y, rcond=None)[0]
+            if np.any(coef < 0):
+                continue
+            residual = float(np.sum((design @ coef - y) ** 2))
+            if residual < best[0] - 1e-15:
+                full = [0.0, 0.0, 0.0]
+                for t, value in zip(terms, coef, strict=True):
+                    full[t] = float(value)
+                best = (residual, (full[0], full[1], full[2]))
+    return best[1]
+
+
 def mean(values: Sequence[float]) -> float:
     """The mean, 0 for none."""
     return sum(values) / len(values) if values else 0.0
@@ -114,11 +148,11 @@ class Series:
 
 async def sweep(send: Send, url: str, body: Body, measure: Callable[[Timing], float | None],
                 levels: Sequence[int] = LEVELS, rounds: int = ROUNDS,
-                batch: Callable[[Sequence[Timing]], float] | None = None) -> Series:
+                batch: Callable[[Sequence[Timing]], float] | None = None,
+                start: int = 0) -> Series:
     """Per level, the mean of `measure` over the timings it measures; with `batch`, also
-    what it makes of those timings (0: the level)."""
+    what it makes of those timings (0: the level). Requests are numbered from `start`."""
     values, batches = [], []
-    start = 0
     for level in levels:
         timings = await closed_loop(send, url, body, level, rounds, start)
         start += level * rounds
@@ -148,19 +182,55 @@ async def profile_prefill(send: Send, url: str, body: Body, tokens: int,
         series
 
 
-async def profile_decode(send: Send, url: str, body: Body,
-                         levels: Sequence[int] = LEVELS) -> tuple[StepCost, Series]:
-    """A streamed request's time per output token: fixed + per_seq x the batch it decoded in
-    (context at the workload's lengths folded in). One round per level, all sent at once:
-    their prefills share the first steps, and every later step only decodes (in a closed
-    loop, newcomers' prefills would mix into the timed steps, which the queue model counts
-    on its own). The batch is measured, not the level (decoding_beside): sent together
-    through E and P, 8 requests reached a D one after another over ~2 s and decoded ~4.6 at
-    a time, and fitted against the level, per_seq came out at half the truth."""
-    series = await sweep(send, url, body, lambda t: t.tpot, levels, rounds=1,
-                         batch=lambda timings: mean(decoding_beside(timings)))
-    fixed, per_seq = fit_line(series.batch, series.values)
-    return StepCost(fixed_ms=fixed * 1000, per_seq_ms=per_seq * 1000), series
+async def profile_decode(send: Send, url: str, body: Body, levels: Sequence[int] = LEVELS,
+                         limit_ms: float | None = None, max_seqs: int | None = None
+                         ) -> tuple[StepCost, Series]:
+    """A streamed request's time per output token: fixed + per_seq x b + per_seq2 x b^2
+    for the batch b it decoded in (context at the workload's lengths folded in; fit_curve).
+    One round per level, all sent at once: their prefills share the first steps, and every
+    later step only decodes (in a closed loop, newcomers' prefills would mix into the timed
+    steps, which the queue model counts on its own). The batch is measured, not the level
+    (decoding_beside): sent together through E and P, 8 requests reached a D one after
+    another over ~2 s and decoded ~4.6 at a time, and fitted against the level, per_seq came
+    out at half the truth.
+
+    With `limit_ms` (the TPOT limit), the levels go on doubling (decode_levels) until the
+    batch the limit allows is reached: fitted on batches of ~5 and extrapolated to the ~20
+    the limit allowed, one machine's decoders were predicted at half their real goodput."""
+    def measured(level: int, start: int) -> Awaitable[Series]:
+        return sweep(send, url, body, lambda t: t.tpot, (level,), rounds=1,
+                     batch=lambda timings: mean(decoding_beside(timings)), start=start)
+
+    series = Series((), ())
+    for level in decode_levels(levels, None, limit_ms, max_seqs):
+        series = _joined(series, await measured(level, sum(series.levels)))
+    while (more := decode_levels(series.levels, series, limit_ms, max_seqs)) != series.levels:
+        series = _joined(series, await measured(more[-1], sum(series.levels)))
+    fixed, per_seq, per_seq2 = fit_curve(series.batch, series.values)
+    return StepCost(fixed_ms=fixed * 1000, per_seq_ms=per_seq * 1000,
+                    per_seq2_ms=per_seq2 * 1000), series
+
+
+def decode_levels(levels: Sequence[int], series: Series | None, limit_ms: float | None,
+                  max_seqs: int | None) -> tuple[int, ...]:
+    """The decode profile's levels: `levels`, and one more (twice the last) while the
+    batches measured so far (`series`) stay below the one whose step takes `limit_ms`
+    (the fit says where), up to MAX_DECODE_LEVEL and `max_seqs`."""
+    levels = tuple(levels)
+    if series is None or limit_ms is None or not series.batch:
+        return levels
+    fixed, per_seq, per_seq2 = fit_curve(series.batch, series.values)
+    reached = max(series.batch)
+    if (fixed + per_seq * reached + per_seq2 * reached ** 2) * 1000 >= limit_ms:
+        return levels
+    more = 2 * levels[-1]
+    if more > min(MAX_DECODE_LEVEL, max_seqs or MAX_DECODE_LEVEL):
+        return levels
+    return (*levels, more)
+
+
+def _joined(a: Series, b: Series) -> Series:
+    return Series(a.levels + b.levels, a.values + b.values, a.batch + b.batch)
 
 
 async def profile_handoff(through: Timed, direct: Timed, rounds: int = HANDOFF_ROUNDS

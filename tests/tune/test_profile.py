@@ -18,7 +18,9 @@ from epdctl.tune.profile import (
     Timing,
     closed_loop,
     combine,
+    decode_levels,
     decoding_beside,
+    fit_curve,
     fit_line,
     profile_decode,
     profile_encode,
@@ -190,3 +192,64 @@ def test_decoding_beside() -> None:
     apart = [Timing(0.0, 0.0, 1.0, 5), Timing(0.0, 0.5, 1.5, 5), Timing(0.0, 2.0, 3.0, 5)]
     assert decoding_beside(apart) == [1.5, 1.5, 1.0]
     assert decoding_beside([Timing(0.0, 1.0, 1.0, 1)]) == [1.0]
+
+
+def test_fit_curve_keeps_every_term_at_zero_or_more() -> None:
+    xs = [1, 2, 4, 8, 16]
+    assert fit_curve(xs, [3 + 2 * x for x in xs]) == pytest.approx((3.0, 2.0, 0.0))
+    assert fit_curve(xs, [3 + 0.5 * x + 0.1 * x * x for x in xs]) \
+        == pytest.approx((3.0, 0.5, 0.1))
+    a, b, c = fit_curve(xs, [10 - 0.2 * x for x in xs])  # falling: a constant, not b < 0
+    assert (b, c) == (0.0, 0.0) and a == pytest.approx(10 - 0.2 * 6.2)
+    assert fit_curve([], []) == (0.0, 0.0, 0.0)
+
+
+def _together(step: Any, tokens: int = 16):  # type: ignore[no-untyped-def]
+    """A Send to a decoder that gets each level's requests at once (level i starts at
+    request sum(levels before it)): each decodes in a batch of the level, every step
+    `step(batch)` seconds long."""
+    sent: list[int] = []
+
+    async def send(url: str, b: dict[str, Any]) -> Timing:
+        sent.append(b["n"])
+        return Timing(0.0, 0.0, (tokens - 1) * step(b["level"]), tokens)
+
+    return send, sent
+
+
+def _leveled(n: int) -> dict[str, Any]:
+    level, first = 1, 0
+    while n >= first + level:
+        first, level = first + level, 2 * level
+    return {"n": n, "level": level}
+
+
+def test_decode_is_profiled_up_to_the_batch_the_tpot_limit_allows() -> None:
+    """A decoder whose steps stay under the TPOT limit at every level up to 8 is timed at
+    16, 32, ... until one level's step reaches the limit; never past max-num-seqs; without
+    a limit, at the levels given."""
+    send, sent = _together(lambda b: 0.012 + 0.0005 * b)
+    _, series = asyncio.run(profile_decode(send, "d", _leveled, limit_ms=22.0))
+    assert series.levels == (1, 2, 4, 8, 16, 32)  # 20 ms at 16 < 22, 28 ms at 32
+    assert sorted(sent) == list(range(63))  # every request its own
+    _, series = asyncio.run(profile_decode(send, "d", _leveled, limit_ms=22.0, max_seqs=16))
+    assert series.levels == (1, 2, 4, 8, 16)
+    _, series = asyncio.run(profile_decode(send, "d", _leveled))
+    assert series.levels == (1, 2, 4, 8)
+    assert decode_levels((1, 2), None, 22.0, None) == (1, 2)
+
+
+def test_a_decode_step_super_linear_in_the_batch_is_fitted_as_one() -> None:
+    """Steps that grow with the batch squared: the profile (to the limit's batch) finds
+    the square term, and predicts a step at 32 within 2 %, where a line through the
+    levels up to 8 is far off."""
+    def step(b: float) -> float:
+        return 0.010 + 0.0002 * b + 0.00004 * b * b
+
+    send, _ = _together(step)
+    cost, series = asyncio.run(profile_decode(send, "d", _leveled, limit_ms=60.0))
+    assert series.levels[-1] >= 32
+    assert cost.per_seq2_ms == pytest.approx(0.04, rel=0.02)
+    assert cost.ms(0, 0, 32, 0) == pytest.approx(step(32) * 1000, rel=0.02)
+    a, b = fit_line([1, 2, 4, 8], [step(x) for x in (1, 2, 4, 8)])
+    assert abs((a + b * 32) / step(32) - 1) > 0.2
