@@ -63,6 +63,22 @@ class Shape:
         return f"{self.encoders}E{join}{self.prefill.label('P')}+{self.decode.label('D')}"
 
     @property
+    def family(self) -> str:
+        """What the shape spends its language-model devices on: its kind, the ratio of its
+        P and D (or PD) replicas reduced, and their TP sizes: `2P+1D(TP2)` holds
+        1E~2P+1D(TP2) and 2E~2P+1D(TP2), `1P+1D` holds 1E+1P+1D and 2E~2P+2D. E's count is
+        left out: the model meets E at the batches it profiled, where the language-model
+        stages are extrapolated, and the two families it once inverted differed there
+        (tune's family rule, decide.next_step)."""
+        if self.kind == "epd":
+            n = math.gcd(self.prefill.replicas, self.decode.replicas)
+            split = (f"{Pool(self.prefill.replicas // n, self.prefill.tp).label('P')}"
+                     f"+{Pool(self.decode.replicas // n, self.decode.tp).label('D')}")
+        else:
+            split = Pool(1, self.pd.tp).label("PD")
+        return f"{self.kind}:{split}"
+
+    @property
     def tag(self) -> str:
         """The label as a topology-name suffix."""
         return (self.label.lower().replace("(tp", "t").replace(")", "").replace("~", "s")

@@ -142,12 +142,16 @@ def best_measured(measured: Sequence[Measured], kinds: Mapping[str, str]) -> Mea
     return best
 
 
-def corrected(predicted: Mapping[str, float], kinds: Mapping[str, str],
+def corrected(predicted: Mapping[str, float], stages: Mapping[str, str],
               measured: Mapping[str, Measured]) -> dict[str, float]:
     """The predictions corrected by what confirmation measured: a confirmed candidate's is
     its measurement; any other's is scaled by the geometric mean of measured/predicted over
-    the confirmed candidates of its kind (aggregated, E|PD, E|P|D: they share the stages
-    the model got wrong), else over every confirmed one; with none confirmed, unchanged."""
+    the confirmed candidates bound by the same stage (`stages`: the stage key the model
+    found binding, e.g. `decode-tp1`: what the model got wrong there it got wrong for each
+    candidate that stage binds), else over every confirmed one; with none confirmed,
+    unchanged. By stage, not by kind: one kind held candidates the model overrated (bound
+    by P) beside others it underrated (bound by one TP1 decoder), and one ratio for the kind
+    pushed the second further down."""
     def gmean(names: Sequence[str]) -> float | None:
         ratios = [min(max(measured[n].goodput / predicted[n], RATIO_BOUNDS[0]),
                       RATIO_BOUNDS[1]) for n in names if predicted.get(n)]
@@ -159,11 +163,32 @@ def corrected(predicted: Mapping[str, float], kinds: Mapping[str, str],
         if name in measured:
             out[name] = measured[name].goodput
             continue
-        same = gmean([n for n in measured if kinds.get(n) == kinds.get(name)
+        same = gmean([n for n in measured if stages.get(n) == stages.get(name)
                       and n in predicted])
         ratio = same if same is not None else overall
         out[name] = guess * ratio if ratio is not None else guess
     return out
+
+
+LEAD_SHARE = 0.6
+"""A family leads when its best candidate's (corrected) prediction is at least this share of
+the best one's: the model's errors between families reached ~40 % (a family predicted at
+0.69 of the top measured 1.2x the top's)."""
+LEAD_FAMILIES = 4
+"""Families that lead at most (the best ones by their best candidate): each costs a
+confirmation before the stop rule may fire."""
+
+
+def leading_families(order: Mapping[str, float], families: Mapping[str, str]
+                     ) -> dict[str, str]:
+    """The leading families (LEAD_SHARE, LEAD_FAMILIES), each with the candidate of it
+    ranked first by `order` (family -> name, best family first)."""
+    heads: dict[str, str] = {}
+    for name in sorted(order, key=lambda n: -order[n]):
+        heads.setdefault(families.get(name, name), name)
+    top = max(order.values(), default=0.0)
+    return {f: n for f, n in list(heads.items())[:LEAD_FAMILIES]
+            if top > 0 and order[n] >= LEAD_SHARE * top}
 
 
 @dataclass(frozen=True)
@@ -184,21 +209,27 @@ TP2 decoder) and the one that doubled them came sixth."""
 def next_step(predicted: Sequence[tuple[str, float]], measured: Mapping[str, Measured], *,
               must: Sequence[str] = (), elapsed_s: float, budget_s: float,
               cost_s: float, max_confirm: int = MAX_CONFIRM, min_confirm: int = 2,
-              order: Mapping[str, float] | None = None) -> Decision:
+              order: Mapping[str, float] | None = None,
+              families: Mapping[str, str] | None = None) -> Decision:
     """Whom to confirm next, or why to stop.
 
     `predicted` is (name, predicted goodput), best first; `order` (the predictions as
     corrected by the measurements, see `corrected`), where given, ranks the unconfirmed
-    ones instead. The candidates in `must` (the aggregated one) are confirmed first. Stops
-    when the next run would not fit in the budget; when `max_confirm` have run; or, once
-    `min_confirm` have run, when no unconfirmed candidate could beat the best measured one
-    even if the model underrates it as much as it underrated any confirmed candidate.
+    ones instead. The candidates in `must` (the aggregated one) are confirmed first; then,
+    with `families` (name -> Shape.family), the best of each leading family
+    (leading_families) not confirmed yet: the model may be wrong in opposite directions for
+    two families, and confirming only its top few (all of one family, once) never measures
+    the other. Stops when the next run would not fit in the budget; when `max_confirm` have
+    run; or, once `min_confirm` have run and every leading family has one confirmed, when
+    no unconfirmed candidate could beat the best measured one even if the model underrates
+    it as much as it underrated any confirmed candidate.
     """
     ranked = [n for n, _ in predicted]
     if order is not None:
         ranked.sort(key=lambda n: -order.get(n, 0.0))
-    pending = [n for n in must if n not in measured] + [
-        n for n in ranked if n not in measured and n not in must]
+    heads = _unconfirmed_heads(order or dict(predicted), families, measured)
+    pending = list(dict.fromkeys([n for n in must if n not in measured] + heads + [
+        n for n in ranked if n not in measured and n not in must]))
     if not pending:
         return Decision(True, "every candidate is confirmed")
     if elapsed_s + cost_s > budget_s:
@@ -206,7 +237,7 @@ def next_step(predicted: Sequence[tuple[str, float]], measured: Mapping[str, Mea
                         f"a run takes ~{cost_s:.0f} s)", left_out=tuple(pending))
     if len(measured) >= max_confirm and not set(must) - set(measured):
         return Decision(True, f"{len(measured)} candidates confirmed", left_out=tuple(pending))
-    if pending[0] in must or len(measured) < min_confirm:
+    if pending[0] in must or pending[0] in heads or len(measured) < min_confirm:
         return Decision(False, "confirm next", pending[0])
     guess = dict(predicted)
     ratios = [m.goodput / guess[n] for n, m in measured.items() if guess.get(n)]
@@ -217,3 +248,12 @@ def next_step(predicted: Sequence[tuple[str, float]], measured: Mapping[str, Mea
         return Decision(True, f"decided: `{best.name}` measured {best.goodput:.3g} req/s; no "
                         "unconfirmed candidate is predicted to beat it", left_out=tuple(pending))
     return Decision(False, "confirm next", pending[0])
+
+
+def _unconfirmed_heads(order: Mapping[str, float], families: Mapping[str, str] | None,
+                       measured: Mapping[str, Measured]) -> list[str]:
+    """The best candidate of each leading family that has none confirmed, best first."""
+    if families is None:
+        return []
+    done = {families.get(n, n) for n in measured}
+    return [n for f, n in leading_families(order, families).items() if f not in done]

@@ -227,6 +227,16 @@ class Prediction:
             if self.utilization else ""
 
 
+def binding_stage(shape: Shape, prediction: Prediction) -> str:
+    """The stage key of the role the prediction finds busiest at the knee (`decode-tp1`;
+    "" when it has none): where the model's error for this candidate most likely lies."""
+    role = prediction.bottleneck
+    if not role or role == "encode":
+        return role
+    pool = {"prefill_decode": shape.pd, "prefill": shape.prefill, "decode": shape.decode}[role]
+    return stage_key(role, pool.tp, encodes=role == "prefill_decode" and not shape.encoders)
+
+
 def sim_requests(rate: float, requests: int, seconds: float) -> int:
     """Requests a simulated run at `rate` sends: `requests`, or `seconds` of the rate's when
     more (what a bench point with --point-seconds sends), at most MAX_SIM_REQUESTS."""

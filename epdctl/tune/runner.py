@@ -26,7 +26,7 @@ from epdctl.tune.decide import (
 )
 from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
-from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, predict
+from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, binding_stage, predict
 from epdctl.tune.probes import HANDOFF, Measurements, probe_shapes
 from epdctl.tune.profile import mean
 
@@ -68,16 +68,24 @@ class Row:
     """The prediction corrected by the measurements (decide.corrected)."""
     missing: list[str] = field(default_factory=list)
 
+    @property
+    def stage(self) -> str | None:
+        """The stage the prediction finds binding (model.binding_stage; None: unpredicted)."""
+        return binding_stage(self.candidate.shape, self.prediction) if self.prediction \
+            else None
+
     def as_json(self) -> dict[str, Any]:
         p, m = self.prediction, self.measured
         error = (round(p.goodput / m.goodput - 1, 3) if p and m and m.goodput else None)
         return {"name": self.candidate.name, "shape": self.candidate.shape.label,
-                "kind": self.candidate.shape.kind, "gpus": self.candidate.shape.gpus,
+                "kind": self.candidate.shape.kind, "family": self.candidate.shape.family,
+                "gpus": self.candidate.shape.gpus,
                 "predicted_goodput": p.goodput if p else None,
                 "corrected_goodput": self.corrected,
                 "ttft_ms": p.ttft_ms if p else None, "tpot_ms": p.tpot_ms if p else None,
                 "utilization": p.utilization if p else None,
                 "bottleneck": p.bottleneck if p else None,
+                "binding_stage": self.stage,
                 "measured_goodput": m.goodput if m else None,
                 "measured_interval": [m.low, m.high] if m and m.low is not None else None,
                 "measured_points": [list(p) for p in m.points] if m else None,
@@ -181,7 +189,7 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
                   f"{ranked[0].prediction.goodput:.3g} req/s" if ranked and ranked[0].prediction
                   else "nothing could be predicted")
     kinds = {r.candidate.name: r.candidate.shape.kind for r in rows}
-    decision, measured = _confirm(settings, rows, ranked, kinds, not_profiled, confirmer,
+    decision, measured = _confirm(settings, rows, ranked, not_profiled, confirmer,
                                   progress, clock, started)
     best, why = _best(measured, kinds)
     return {
@@ -216,12 +224,14 @@ def _predicted(kept: Sequence[Candidate], profile: Profile, req: RequestShape,
 
 
 def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
-             kinds: Mapping[str, str], not_profiled: Sequence[str], confirmer: Confirmer,
+             not_profiled: Sequence[str], confirmer: Confirmer,
              progress: Progress, clock: Callable[[], float], started: float
              ) -> tuple[Decision, dict[str, Measured]]:
     """Confirm the candidates next_step asks for (those kept in --out first) until it says
     stop, correcting every row's prediction by what was measured before each step."""
     by_name = {r.candidate.name: r for r in rows}
+    stages = {r.candidate.name: r.stage or "" for r in rows}
+    families = {r.candidate.name: r.candidate.shape.family for r in rows}
     aggregated = [r.candidate.name for r in ranked if r.candidate.shape.kind == "aggregated"]
     must = aggregated[:1]
     confirmed_path = settings.out_dir / CONFIRMED
@@ -230,7 +240,7 @@ def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
     predicted = [(r.candidate.name, r.prediction.goodput) for r in ranked if r.prediction]
     cost_s = 0.0
     while True:
-        order = corrected(dict(predicted), kinds, measured)
+        order = corrected(dict(predicted), stages, measured)
         for name, value in order.items():
             by_name[name].corrected = round(value, 4)
         if not_profiled:
@@ -240,7 +250,8 @@ def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
             return Decision(True, why, left_out=left_out), measured
         decision = next_step(predicted, measured, must=must, elapsed_s=clock() - started,
                              budget_s=settings.budget_s, cost_s=cost_s,
-                             max_confirm=settings.max_confirm, order=order)
+                             max_confirm=settings.max_confirm, order=order,
+                             families=families)
         if decision.stop or decision.next is None:
             return decision, measured
         row = by_name[decision.next]

@@ -133,3 +133,18 @@ def test_facts_from_a_config_and_a_file(tmp_path: Path) -> None:
     path.write_text("encode: {}\n")
     with pytest.raises(Exception, match="no `model:` section"):
         from_file(path)
+
+
+def test_a_family_is_the_split_of_the_language_model_devices() -> None:
+    from epdctl.tune.candidates import Pool, Shape
+
+    def epd(e: int, p: Pool, d: Pool, shared: bool = True) -> str:
+        return Shape("epd", e, shared, prefill=p, decode=d).family
+
+    assert epd(1, Pool(2), Pool(1, 2)) == epd(2, Pool(2), Pool(1, 2)) == "epd:2P+1D(TP2)"
+    assert epd(1, Pool(1), Pool(1), False) == epd(2, Pool(2), Pool(2)) == "epd:1P+1D"
+    assert epd(3, Pool(3), Pool(1)) == "epd:3P+1D"
+    assert Shape("e-pd", 2, pd=Pool(2)).family == Shape("e-pd", 1, pd=Pool(3)).family \
+        == "e-pd:1PD"
+    assert Shape("e-pd", 1, pd=Pool(1, 2)).family == "e-pd:1PD(TP2)"
+    assert Shape("aggregated", pd=Pool(4)).family == "aggregated:1PD"

@@ -17,6 +17,7 @@ from epdctl.tune.decide import (
     is_better,
     knee,
     knee_rate,
+    leading_families,
     next_step,
 )
 
@@ -202,3 +203,47 @@ def test_knee_points_at_one_rate_are_judged_at_the_rate_above() -> None:
                   above=rounds(9.5, 48, n=96))
     assert above_knee(low.points) == 9.5
     assert is_better(replace(epd, above=rounds(1.0, 1, n=114)), low) is True
+
+
+def _confirm_all(predicted: dict[str, float], truth: dict[str, float],
+                 stages: dict[str, str], families: dict[str, str] | None) -> list[str]:
+    """tune's confirmation loop (runner._confirm) on a machine that measures `truth`."""
+    measured: dict[str, Measured] = {}
+    ranked = sorted(predicted.items(), key=lambda kv: -kv[1])
+    while True:
+        order = corrected(predicted, stages, measured)
+        step = next_step(ranked, measured, must=["agg"], elapsed_s=0, budget_s=1e9, cost_s=1,
+                         order=order, families=families)
+        if step.stop:
+            return list(measured)
+        assert step.next is not None
+        measured[step.next] = Measured(step.next, truth[step.next])
+
+
+def test_a_family_the_model_underrates_is_confirmed_before_it_stops() -> None:
+    """The model puts three two-P shapes first (10.0-9.6 req/s; they measure 7.2-7.5) and a
+    three-P shape at 6.9 (it measures 9.2): confirming by prediction alone stops, decided,
+    without ever running the three-P family; the family rule runs its best before the stop
+    rule may fire, and it is the best measured."""
+    predicted = {"agg": 5.0, "a1": 10.0, "a2": 9.8, "a3": 9.6, "b1": 6.9, "b2": 6.8,
+                 "c1": 4.0}
+    truth = {"agg": 5.0, "a1": 7.5, "a2": 7.3, "a3": 7.2, "b1": 9.2, "b2": 9.0, "c1": 4.1}
+    stages = {"agg": "pd+enc-tp1", "a1": "prefill-tp1", "a2": "prefill-tp1",
+              "a3": "prefill-tp1", "b1": "decode-tp1", "b2": "decode-tp1", "c1": "pd-tp1"}
+    families = {"agg": "aggregated:1PD", "a1": "epd:2P+1D(TP2)", "a2": "epd:2P+1D(TP2)",
+                "a3": "epd:1P+1D", "b1": "epd:3P+1D", "b2": "epd:3P+1D", "c1": "e-pd:1PD"}
+    alone = _confirm_all(predicted, truth, stages, None)
+    assert "b1" not in alone and "b2" not in alone
+    ruled = _confirm_all(predicted, truth, stages, families)
+    assert "b1" in ruled
+    assert ruled.index("b1") < ruled.index("a2")  # a leading family's best before a 2nd of A
+    assert "c1" not in ruled  # 0.4 of the top: not a leading family
+    assert max(ruled, key=truth.__getitem__) == "b1"
+
+
+def test_leading_families() -> None:
+    order = {"a1": 10.0, "a2": 9.9, "b1": 7.0, "c1": 6.5, "d1": 6.1, "e1": 6.0, "f1": 5.0}
+    families = {n: n[0] for n in order}
+    assert leading_families(order, families) == {"a": "a1", "b": "b1", "c": "c1", "d": "d1"}
+    assert leading_families({"a1": 0.0}, {"a1": "a"}) == {}
+    assert leading_families({"a1": 10.0, "b1": 5.0}, {"a1": "a", "b1": "b"}) == {"a": "a1"}
