@@ -262,3 +262,27 @@ def test_the_fastest_are_swept_again_alone(tmp_path: Path) -> None:
     assert got["alone"] == {"b": (9.0, 9.9), "d": (8.0, 7.6)}
     assert got["alone_dev"] == pytest.approx(0.1)
     assert bench_tune.Alone.fastest(progress, 9) == ["b", "d", "a"]
+
+
+def test_the_pick_and_the_sweeps_best_are_measured_again_by_one_method(
+        tmp_path: Path) -> None:
+    """The one-measure rule: two candidates with one knee, measured on a machine whose
+    speed drifts (each run 2 % slower than the last), come out at 1.0 in the alternating
+    order; an interrupted run keeps what it measured."""
+    runs: list[str] = []
+    knee = {"pick": 9.0, "best": 9.0}
+
+    def measure(name: str) -> float:
+        runs.append(name)
+        return knee[name] * (1 - 0.02 * len(runs))
+
+    one = bench_tune.OneMeasure.load(tmp_path)
+    ratio, means = one.ratio("pick", "best", measure, rounds=2)
+    assert runs == ["pick", "best", "best", "pick"]
+    assert ratio == pytest.approx(1.0) and set(means) == {"pick", "best"}
+    runs.clear()
+    assert bench_tune.OneMeasure.load(tmp_path).ratio("pick", "best", measure)[0] \
+        == pytest.approx(ratio)  # kept in remeasured.json: nothing run again
+    assert runs == []
+    assert one.ratio("same", "same", measure) == (1.0, {})
+    assert bench_tune.alternating("a", "b", 3) == ["a", "b", "b", "a", "a", "b"]
