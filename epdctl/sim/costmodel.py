@@ -76,7 +76,8 @@ class Encode(BaseModel):
 
 
 class Prefill(BaseModel):
-    """One prefill step over a batch of prompts: fixed + per token + per token squared."""
+    """One prefill step over a batch of prompts (or chunks of them): fixed + per token +
+    per token squared."""
 
     model_config = _CONFIG
 
@@ -85,7 +86,14 @@ class Prefill(BaseModel):
     per_ktoken2_ms: Ms = 2.0
     """Per request: this many ms times (its tokens / 1000)^2 (attention)."""
     max_batch_tokens: Annotated[int, Field(ge=1)] = 8192
-    """Prompt tokens one step takes at most (a longer prompt runs alone)."""
+    """Prompt tokens one step takes at most (a longer prompt runs alone); unused when
+    `chunk_tokens` is set."""
+    chunk_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Chunked prefill (vLLM's): a step prefills at most this many prompt tokens in all,
+    a longer prompt over several steps (its first token comes with its last chunk); a
+    chunk of c tokens after s already prefilled costs per_token_ms * c + per_ktoken2_ms *
+    (((s + c) / 1000)^2 - (s / 1000)^2), so a whole prompt costs what it does unchunked
+    (plus each step's fixed cost). None: a prompt is prefilled whole in one step."""
 
 
 class Decode(BaseModel):
@@ -99,6 +107,9 @@ class Decode(BaseModel):
     per_kctx_ms: Ms = 0.08
     max_batch: Annotated[int, Field(ge=1)] = 256
     """Requests decoding at once at most (vLLM's --max-num-seqs caps it further)."""
+    batch_exponent: Annotated[float, Field(ge=1)] = 1.0
+    """The per-request term is per_seq_ms * batch^batch_exponent (above 1: a step that
+    grows faster than the batch, as one past the GPU's sweet spot does)."""
 
 
 class KvTransfer(BaseModel):
@@ -139,28 +150,35 @@ class CostModel(BaseModel):
         e = self.encode
         return e.fixed_ms + sum(e.per_image_ms + e.per_mpixel_ms * mp for mp in mpixels)
 
-    def prefill_ms(self, tokens: Sequence[int]) -> float:
-        """One prefill step over these prompts (tokens each); 0 for none."""
+    def prefill_ms(self, tokens: Sequence[int], starts: Sequence[int] = ()) -> float:
+        """One prefill step over these prompts or chunks (tokens each, the i-th after
+        starts[i] tokens of its prompt already prefilled: 0 where not given); 0 for none."""
         if not tokens:
             return 0.0
         p = self.prefill
-        return p.fixed_ms + sum(p.per_token_ms * n + p.per_ktoken2_ms * (n / 1000) ** 2
-                                for n in tokens)
+        before = [*starts, *[0] * (len(tokens) - len(starts))]
+        # A chunk's attention is its tokens over the context so far: the growth of the
+        # square, so chunks add up to the whole prompt's (n / 1000)^2 exactly.
+        return p.fixed_ms + sum(
+            p.per_token_ms * n + p.per_ktoken2_ms * (((s + n) / 1000) ** 2 - (s / 1000) ** 2)
+            for n, s in zip(tokens, before, strict=True))
 
     def decode_ms(self, batch: int, context: int) -> float:
         """One decode step of `batch` requests with `context` tokens among them; 0 for none."""
         if batch <= 0:
             return 0.0
         d = self.decode
-        return d.fixed_ms + d.per_seq_ms * batch + d.per_kctx_ms * context / 1000
+        return (d.fixed_ms + d.per_seq_ms * batch ** d.batch_exponent
+                + d.per_kctx_ms * context / 1000)
 
     def step_ms(self, *, mpixels: Sequence[float] = (), tokens: Sequence[int] = (),
-                batch: int = 0, context: int = 0, tp: int = 1, busy_neighbours: int = 0
-                ) -> float:
+                starts: Sequence[int] = (), batch: int = 0, context: int = 0, tp: int = 1,
+                busy_neighbours: int = 0) -> float:
         """A whole step of one instance, in unscaled ms: the parts it runs share one fixed
-        cost (the largest), divided by the TP speedup, stretched by busy neighbours."""
+        cost (the largest), divided by the TP speedup, stretched by busy neighbours.
+        `tokens`/`starts`: the prompts or chunks it prefills (prefill_ms)."""
         parts = [(self.encode_ms(mpixels), self.encode.fixed_ms if mpixels else 0.0),
-                 (self.prefill_ms(tokens), self.prefill.fixed_ms if tokens else 0.0),
+                 (self.prefill_ms(tokens, starts), self.prefill.fixed_ms if tokens else 0.0),
                  (self.decode_ms(batch, context), self.decode.fixed_ms if batch else 0.0)]
         total = sum(ms for ms, _ in parts) - sum(f for _, f in parts) + max(f for _, f in parts)
         return total / self.speedup(tp) * (1 + self.sharing.slowdown * busy_neighbours)

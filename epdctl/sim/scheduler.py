@@ -2,8 +2,11 @@
 
 Every step admits waiting jobs first come first served (their images are encoded and their
 prompts prefilled in that step, within the step's image, token, sequence and KV limits) and
-gives every running job one more token, as vLLM's scheduler does. A step's time comes from
-the cost model, so requests in flight on one instance share steps and queue for real.
+gives every running job one more token, as vLLM's scheduler does. With chunked prefill
+(`prefill.chunk_tokens`) a step prefills at most that many prompt tokens: the prompts left
+part done by earlier steps first, then new ones; a prompt's first token comes with its last
+chunk, and the running decodes share every step. A step's time comes from the cost model, so
+requests in flight on one instance share steps and queue for real.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class Job:
     """Tokens to generate (0: encode only; 1: a prefill for a remote decode)."""
     needs_prefill: bool = True
     """False on D: the KV came from P, the job starts decoding at once."""
+    prefilled: int = 0
+    """Prompt tokens prefilled so far (all of them at once unless prefill is chunked)."""
     generated: int = 0
     token_times: list[float] = field(default_factory=list)
     """The clock at each generated token."""
@@ -42,6 +47,11 @@ class Job:
     @property
     def context(self) -> int:
         return self.prompt_tokens + self.generated
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Part of its prompt (or all of it) is still to be prefilled here."""
+        return self.needs_prefill and self.prefilled < self.prompt_tokens
 
     @property
     def kv_tokens(self) -> int:
@@ -94,7 +104,10 @@ class Scheduler:
         self.waiting.append(job)
         self._wake.set()
 
-    def _admit(self) -> list[Job]:
+    def _admit(self, budget: int | None) -> list[Job]:
+        """Waiting jobs this step takes, first come first served. `budget`: prompt tokens
+        left to this step under chunked prefill (None: unchunked, max_batch_tokens holds);
+        a job needing a prefill waits while none is left, it does not go ahead of others."""
         admitted: list[Job] = []
         images = tokens = 0
         while self.waiting:
@@ -104,8 +117,12 @@ class Scheduler:
                 job.events.put_nowait(False)
                 continue
             n_img, n_tok = len(job.mpixels), job.prompt_tokens if job.needs_prefill else 0
-            if admitted and (images + n_img > self.cost.encode.max_batch
-                             or tokens + n_tok > self.cost.prefill.max_batch_tokens):
+            if admitted and images + n_img > self.cost.encode.max_batch:
+                break
+            if budget is None and admitted and \
+                    tokens + n_tok > self.cost.prefill.max_batch_tokens:
+                break
+            if budget is not None and n_tok and tokens >= budget:
                 break
             if job.output_tokens and len(self.running) + len(admitted) >= self.max_seqs:
                 break
@@ -136,14 +153,33 @@ class Scheduler:
             self.share.busy(is_busy)
             self._is_marked = is_busy
 
+    def _chunks(self, jobs: list[Job]) -> list[int]:
+        """The prompt tokens each of these prefilling jobs gets this step, in order: the
+        rest of its prompt, within the chunk budget when prefill is chunked."""
+        left = self.cost.prefill.chunk_tokens
+        chunks = []
+        for job in jobs:
+            n = job.prompt_tokens - job.prefilled
+            n = n if left is None else min(n, left)
+            left = None if left is None else left - n
+            chunks.append(n)
+        return chunks
+
     async def _step(self) -> None:
-        admitted = self._admit()
-        decoding = list(self.running) + [j for j in admitted if not j.needs_prefill]
-        prefilled = [j for j in admitted if j.needs_prefill]
+        carried = [j for j in self.running if j.is_prefilling]
+        budget = self.cost.prefill.chunk_tokens
+        if budget is not None:
+            budget -= sum(self._chunks(carried))
+        admitted = self._admit(budget)
+        decoding = [j for j in self.running if not j.is_prefilling] + \
+            [j for j in admitted if not j.needs_prefill]
+        prefilled = carried + [j for j in admitted if j.needs_prefill]
+        chunks = self._chunks(prefilled)
         neighbours = self.share.neighbours() if self.share is not None else 0
         ms = self.cost.step_ms(
             mpixels=[mp for j in admitted for mp in j.mpixels],
-            tokens=[j.prompt_tokens for j in prefilled if j.prompt_tokens],
+            tokens=[n for n in chunks if n], starts=[j.prefilled for j, n in
+                                                      zip(prefilled, chunks, strict=True) if n],
             batch=len(decoding), context=sum(j.context for j in decoding),
             tp=self.tp, busy_neighbours=neighbours)
         started = self.clock()
@@ -152,11 +188,14 @@ class Scheduler:
         self.busy_s += self.clock() - started
         if self.keep_steps:
             self.steps.append(Step(started, ms, sum(len(j.mpixels) for j in admitted),
-                                   len(prefilled), sum(j.prompt_tokens for j in prefilled),
-                                   len(decoding), neighbours))
+                                   len(prefilled), sum(chunks), len(decoding), neighbours))
         now = self.clock()
-        self.tokens_in += sum(j.prompt_tokens for j in prefilled)
+        self.tokens_in += sum(chunks)
+        for job, n in zip(prefilled, chunks, strict=True):
+            job.prefilled += n
         for job in prefilled + decoding:
+            if job.is_prefilling:
+                continue  # its first token comes with its last chunk
             if job.output_tokens > job.generated and not job.is_aborted:
                 job.generated += 1
                 job.token_times.append(now)
@@ -164,7 +203,8 @@ class Scheduler:
                 job.events.put_nowait(True)
         self.running = []
         for job in prefilled + decoding:
-            if job.generated >= job.output_tokens or job.is_aborted:
+            if job.is_aborted or (job.generated >= job.output_tokens
+                                  and not job.is_prefilling):
                 self.kv_used -= job.kv_tokens
                 job.events.put_nowait(False)
             else:
