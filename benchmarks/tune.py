@@ -1,21 +1,30 @@
 """`epdctl tune` against an exhaustive sweep, on the simulated machine.
 
-    .venv/bin/python benchmarks/tune.py [--models encode-heavy,decode-heavy,sharing-sensitive]
-        [--gpus 4,8] [--num-prompts 60] [--point-seconds S] [--budget 15m] [--sweep N]
-        [--out DIR] [--port-offset N] [--sweep-only [--shard I/N]] [--check-alone N]
+    .venv/bin/python benchmarks/tune.py [--models encode-heavy,decode-heavy,sharing-sensitive
+        | --random N [--seed S]] [--gpus 4,8] [--num-prompts 60] [--point-seconds S]
+        [--budget 15m] [--sweep N] [--out DIR] [--port-offset N] [--sweep-only [--shard I/N]]
+        [--check-alone N]
 
-For each cost model of examples/sim/ and each fake-GPU count: `epdctl tune` runs on the
-base, workload and SLO (its pick, predictions and wall time); then every candidate `tune`
-considered is run through bench's runner (the sweep: one start per candidate, every request
-at once, then Poisson rates around the rate that gave, a factor sqrt(2) apart, until the
-knee is bracketed: its measured goodput, and the sweep's wall time). Load comes from the
-simulated `vllm bench serve` (epdctl.sim.loadgen), for tune and the sweep alike.
+For each cost model of examples/sim/ (or random machine) and each fake-GPU count: `epdctl
+tune` runs on the base, workload and SLO (its pick, predictions and wall time); then every
+candidate `tune` considered is run through bench's runner (the sweep: one start per
+candidate, every request at once, then Poisson rates around the rate that gave, a factor
+sqrt(2) apart, until the knee is bracketed: its measured goodput, and the sweep's wall
+time). Load comes from the simulated `vllm bench serve` (epdctl.sim.loadgen), for tune and
+the sweep alike.
+
+`--random N --seed S` runs, in place of the named cost models, N machines tune has never
+seen: epdctl.sim.machines.draw(S), draw(S+1), ... draw(S+N-1), each written to
+<out>/random-<seed>-<gpus>/random-<seed>.yaml and run as a named model is (the same SLO,
+stretched as theirs is: slo_for). docs/tune.md "Random machines" says what they vary.
 
 Ends with one line: pick_ratio= (measured goodput of tune's pick / the sweep's best, worst
 over the runs; both measured again by one method, alternating: OneMeasure) cost_ratio=
 (tune's wall time / the sweep's, worst) rank_spearman= (predicted vs measured goodput over
 the swept candidates, worst) agg_call= (aggregated vs disaggregated called right, n/n).
-Goal: pick_ratio >= 0.9, cost_ratio <= 0.2, rank_spearman >= 0.8.
+Goal: pick_ratio >= 0.9, cost_ratio <= 0.2, rank_spearman >= 0.8. A second line gives their
+spread over the runs: worst and median of each (pick_ratio_worst= pick_ratio_median=
+rank_spearman_worst= ... agg_call=n/n).
 
 The full sweep is hundreds of candidates (29 on 4 GPUs, ~140 on 8, per cost model) at 80-140
 s each on two cores (4 GPUs, every candidate, 2026-12-04: 39-69 min a cost model, results in
@@ -35,6 +44,10 @@ a sitting with its --budget to spare; the sweep can be stopped anywhere). `--swe
 --out, benchmarks/results/tune, keeps those files (and settings.json, sweep.json) in git,
 for a sitting on another machine; the rest of a run (topology state, logs, bench's files,
 tune's profiles) is ignored there.
+
+Every run process keeps its EC store in a private directory of its own under /dev/shm
+(made 0700 on first use, removed when the process exits, Ctrl+C included), so that runs
+side by side never find each other's encoder entries under the same candidate names.
 """
 
 from __future__ import annotations
@@ -53,6 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SLO = {"encode-heavy": "ttft=3000,tpot=60", "decode-heavy": "ttft=3000,tpot=60",
        "sharing-sensitive": "ttft=3000,tpot=60"}
 """Each cost model's SLO (ms) at its own time scale, on REFERENCE_GPUS GPUs (slo_for)."""
+RANDOM_SLO = "ttft=3000,tpot=60"
+"""The SLO of a random machine (epdctl.sim.machines), as the named ones'."""
 LADDER = tuple(0.5 * 2 ** (k / 2) for k in range(19))
 """req/s, 0.5 to 256 by sqrt(2)."""
 REFERENCE_GPUS = 4
@@ -72,7 +87,8 @@ def slo_for(model: str, gpus: int) -> str:
     decode steps twice as long ruled out every candidate decoding at TP1)."""
     factor = dilation(gpus)
     return ",".join(f"{name}={float(ms) * factor:g}"
-                    for name, ms in (part.split("=") for part in SLO[model].split(",")))
+                    for name, ms in (part.split("=") for part in
+                                     SLO.get(model, RANDOM_SLO).split(",")))
 
 
 def budget_for(budget: str, gpus: int) -> str:
@@ -131,19 +147,45 @@ def _scaled(cost: Path, gpus: int, run_dir: Path) -> Path:
     data = yaml.safe_load(cost.read_text())
     data["time_scale"] = float(data.get("time_scale", 1.0)) * dilation(gpus)
     path = run_dir / cost.name
+    if path == cost:  # a random machine is written in its run dir: keep it as drawn
+        path = run_dir / f"{cost.stem}-x{dilation(gpus):g}.yaml"
     _write(path, yaml.safe_dump(data, sort_keys=False))  # shards write it side by side
     return path
 
 
+_STORE: list[Path] = []
+"""This process's private EC store root, once made (_store_dir)."""
+
+
+def _store_dir() -> Path:
+    """This process's own EC store root: made once (mkdtemp: 0700, a name nobody can guess)
+    under /dev/shm, removed when the process exits (atexit runs on Ctrl+C's
+    KeyboardInterrupt too). Two runs side by side used to share the default root, and so
+    the namespaces of candidates of one name: one run's proxy found the entries the other
+    run's E wrote."""
+    if not _STORE:
+        import atexit
+        import shutil
+        import tempfile
+
+        shm = Path("/dev/shm")
+        path = Path(tempfile.mkdtemp(prefix="epdctl-tune-bench-",
+                                     dir=shm if shm.is_dir() else None))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        _STORE.append(path)
+    return _STORE[0]
+
+
 def _base(tmp: Path, cost: Path, port_offset: int = 0, suffix: str = "") -> Path:
     """examples/sim/base.yaml with this venv's fake engine on `cost`, every port moved by
-    `port_offset` (so that runs of two cost models, or two shards, can go on side by side);
-    written to base{suffix}.yaml."""
+    `port_offset` (so that runs of two cost models, or two shards, can go on side by side),
+    and this process's own EC store (_store_dir); written to base{suffix}.yaml."""
     import yaml
 
     data = yaml.safe_load((ROOT / "examples" / "sim" / "base.yaml").read_text())
     data["engine"]["command"] = [sys.executable, "-m", "epdctl.sim.engine", "--cost-model",
                                  str(cost)]
+    data["cache"] = {**(data.get("cache") or {}), "dir": str(_store_dir())}
     data["proxy"]["port"] += port_offset
     data["ports"] = {k: v + port_offset for k, v in data["ports"].items()}
     path = tmp / f"base{suffix}.yaml"
@@ -200,8 +242,10 @@ class _Err:
         print(text, file=sys.stderr, flush=True)
 
 
-def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict | None:
-    """One cost model on `gpus` fake GPUs: its figures (None: --sweep-only)."""
+def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path,
+            cost_file: Path | None = None) -> dict | None:
+    """One cost model on `gpus` fake GPUs: its figures (None: --sweep-only). `cost_file`:
+    the model's file (default examples/sim/<model>.yaml)."""
     from epdctl.bench.workload import LoadPoint, Workload, parse_slo
     from epdctl.topology.model import load_topology
     from epdctl.tune.candidates import candidates, limits_for, request_tokens
@@ -210,7 +254,7 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path) -> dict 
     run_dir = out / f"{model}-{gpus}"
     run_dir.mkdir(parents=True, exist_ok=True)
     _same_settings(run_dir, args, model, gpus)
-    cost = _scaled(ROOT / "examples" / "sim" / f"{model}.yaml", gpus, run_dir)
+    cost = _scaled(cost_file or ROOT / "examples" / "sim" / f"{model}.yaml", gpus, run_dir)
     os.environ["EPDCTL_FAKE_GPUS"] = str(gpus)
     os.environ.pop("EPDCTL_PROXY_COMMAND", None)
     from epdctl.tune.live import use_sim_bench_command
@@ -290,6 +334,35 @@ def _one_measure(run_dir: Path, kept: Sequence[Any], workload: Any, pick: str, b
         pick, best, lambda name: confirm(by_name[name], centre).goodput)
 
 
+def random_machine(seed: int, gpus: int, out: Path) -> tuple[str, Path]:
+    """Random machine `seed` (epdctl.sim.machines.draw), written to
+    <out>/random-<seed>-<gpus>/random-<seed>.yaml: its name and file. A resumed run's file
+    must be the same machine (another RANGES would draw another one)."""
+    from epdctl.sim.costmodel import load_cost_model
+    from epdctl.sim.machines import draw, write
+
+    model = draw(seed)
+    run_dir = out / f"{model.name}-{gpus}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / f"{model.name}.yaml"
+    if path.exists() and load_cost_model(path) != model:
+        raise SystemExit(f"{path} is not the machine seed {seed} draws now: another --out")
+    return model.name, write(model, path)
+
+
+def spread(results: Sequence[dict[str, Any]]) -> str:
+    """The distribution line: worst and median of pick_ratio, rank_spearman (nan left out)
+    and cost_ratio over the runs, and the aggregated calls right."""
+    import statistics
+
+    parts = []
+    for key, worst in (("pick_ratio", min), ("rank_spearman", min), ("cost_ratio", max)):
+        values = [float(r[key]) for r in results if not math.isnan(float(r[key]))]
+        low, mid = (worst(values), statistics.median(values)) if values else (math.nan,) * 2
+        parts.append(f"{key}_worst={low:.3f} {key}_median={mid:.3f}")
+    return " ".join(parts) + f" agg_call={sum(r['agg_call'] for r in results)}/{len(results)}"
+
+
 def _same_settings(run_dir: Path, args: argparse.Namespace, model: str, gpus: int) -> None:
     """A resumed run goes on only with the workload and SLO it began with (settings.json;
     one written before the SLO was kept there had the unstretched one); another --budget
@@ -299,7 +372,7 @@ def _same_settings(run_dir: Path, args: argparse.Namespace, model: str, gpus: in
                 "slo": slo_for(model, gpus)}
     path = run_dir / "settings.json"
     before = json.loads(path.read_text()) if path.exists() else settings
-    if {"slo": SLO[model], **before} != settings:
+    if {"slo": SLO.get(model, RANDOM_SLO), **before} != settings:
         raise SystemExit(f"{run_dir} was begun with {before}, not {settings}: "
                          "another --out, or the same options")
     _write(path, settings)
@@ -494,6 +567,11 @@ def _shard(text: str) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="encode-heavy,decode-heavy,sharing-sensitive")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="in place of --models: N random machines (epdctl.sim.machines), "
+                             "seeds S to S+N-1")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="with --random: the first machine's seed")
     parser.add_argument("--gpus", default="4,8")
     parser.add_argument("--num-prompts", type=int, default=60)
     parser.add_argument("--point-seconds", type=float, default=10.0,
@@ -524,8 +602,8 @@ def main() -> None:
         parser.error("--shard splits the sweep alone: it goes with --sweep-only")
     results = []
     for g in args.gpus.split(","):
-        for m in args.models.split(","):
-            row = run_one(m, int(g), args, args.out)
+        for m, cost_file in _models(args, int(g)):
+            row = run_one(m, int(g), args, args.out, cost_file)
             if row is None:
                 print(f"swept={m}-{g}", flush=True)
                 continue
@@ -539,6 +617,15 @@ def main() -> None:
           f"agg_call={sum(r['agg_call'] for r in results)}/{len(results)}"
           + (f" alone_dev={max(devs):.3f}" if (devs := [r["alone_dev"] for r in results
                                                         if "alone_dev" in r]) else ""))
+    print(spread(results), flush=True)
+
+
+def _models(args: argparse.Namespace, gpus: int) -> list[tuple[str, Path | None]]:
+    """The runs on `gpus` GPUs: --random's machines (written first), else --models'."""
+    if args.random:
+        return [random_machine(seed, gpus, args.out)
+                for seed in range(args.seed, args.seed + args.random)]
+    return [(m, None) for m in args.models.split(",")]
 
 
 if __name__ == "__main__":
