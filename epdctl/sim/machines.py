@@ -173,3 +173,22 @@ def write(model: CostModel, path: str | Path) -> Path:
     head = "# A random simulated machine (epdctl.sim.machines.draw); format in docs/tune.md.\n"
     path.write_text(head + yaml.safe_dump(model.model_dump(mode="json"), sort_keys=False))
     return path
+
+
+def ranges_table() -> str:
+    """RANGES as the Markdown table of docs/tune.md "Random machines" (a test keeps the two
+    the same)."""
+    def shown(key: str, value: float) -> str:
+        if key in ("model.weights", "model.encoder_weights"):
+            return f"{value / GIB:g} GiB"
+        return f"{value / KIB:g} KiB" if key == "model.kv_per_token" else f"{value:g}"
+
+    rows = ["| field | low | high | drawn |", "|---|---|---|---|"]
+    for key, r in RANGES.items():
+        how = "log-uniform" if r.is_log else "uniform"
+        how = "one of " + ", ".join(map(str, r.choices)) if r.choices else how
+        how += ", integer" if r.is_int and not r.choices else ""
+        how += f"; null (unchunked) on {r.none_share:.0%}" if r.none_share else ""
+        how += f"; exactly {r.low:g} on {r.low_share:.0%}" if r.low_share else ""
+        rows.append(f"| `{key}` | {shown(key, r.low)} | {shown(key, r.high)} | {how} |")
+    return "\n".join(rows)

@@ -106,3 +106,8 @@ def test_a_drawn_machine_goes_through_yaml_unchanged(drawn: list[CostModel],
     for model in drawn[:20]:
         path = machines.write(model, tmp_path / f"{model.name}.yaml")
         assert load_cost_model(path) == model
+
+
+def test_the_docs_table_is_ranges() -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "tune.md").read_text()
+    assert machines.ranges_table() in docs
