@@ -97,6 +97,7 @@ def test_random_machines_run_as_named_ones(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(bench_tune, "_tuned", tuned)
     monkeypatch.setattr(bench_tune, "_sweep_one", lambda c, *a: 2.0 if "pd" in c.name else 1.0)
+    monkeypatch.setattr(bench_tune, "_one_measure", lambda *a: (1.0, {}))  # no live confirms
     monkeypatch.setattr(sys, "argv", ["tune.py", "--random", "2", "--seed", "5", "--gpus",
                                       "4,8", "--sweep", "3", "--out", str(tmp_path)])
     bench_tune.main()
