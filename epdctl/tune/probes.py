@@ -22,7 +22,7 @@ from epdctl.tune.profile import (
     LEVELS,
     Send,
     Timing,
-    closed_loop,
+    Upstream,
     combine,
     profile_decode,
     profile_encode,
@@ -219,10 +219,11 @@ async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies
             out.stages[p_key], out.series["prefill"] = prefill, s1.as_json()
         if d_key in known:
             return
-        d_send = _after_prefill(http, p.url, specs["encode"].url if "encode" in specs else None)
+        e_url = specs["encode"].url if "encode" in specs else None
+        d_send = _after_prefill(http, p.url, e_url)
         decode, s2 = await profile_decode(
-            d_send, d.url, lambda n: bodies.chat(20_000 + n, DECODE_TOKENS, True), levels,
-            at.tpot_ms, _max_seqs(d))
+            send, d.url, lambda n: bodies.chat(20_000 + n, DECODE_TOKENS, True), levels,
+            at.tpot_ms, _max_seqs(d), _prefilled(http, p.url, e_url))
         out.stages[d_key] = replace_seqs(decode, _max_seqs(d))
         out.series["decode"] = s2.as_json()
         one = await d_send(d.url, bodies.chat(30_000, DECODE_TOKENS, True))
@@ -239,30 +240,34 @@ async def _profile_pd(http: Http, specs: dict[str, SpecModel], shape: Shape, bod
     encodes = "encode" not in specs
     key = stage_key("prefill_decode", spec.tensor_parallel, encodes=encodes)
     send = http.send if encodes else _after_encoder(http, specs["encode"].url, bodies)
+    upstream = None if encodes else _encoded(http, specs["encode"].url)
     decode_body = lambda n: bodies.chat(10_000 + n, DECODE_TOKENS, True)  # noqa: E731
     levels = at.levels
     if key not in known:
         prefill, s1 = await profile_prefill(send, spec.url, lambda n: bodies.chat(n, 1),
                                             tokens, levels)
-        decode, s2 = await profile_decode(send, spec.url, decode_body, levels, at.tpot_ms,
-                                          _max_seqs(spec))
+        decode, s2 = await profile_decode(http.send, spec.url, decode_body, levels,
+                                          at.tpot_ms, _max_seqs(spec), upstream)
         out.stages[key] = combine(prefill, decode, _max_seqs(spec))
         out.series[key] = {"prefill": s1.as_json(), "decode": s2.as_json()}
     if not shape.shared or encodes:
         return
     if key in known:
-        _, s2 = await profile_decode(send, spec.url, decode_body, levels[-1:])
+        _, s2 = await profile_decode(http.send, spec.url, decode_body, levels[-1:],
+                                     upstream=upstream)
     top = levels[-1]  # not a level the decode profile went on to (decode_levels)
     alone = s2.values[s2.levels.index(top)]
-    loaded = await _beside_busy_encoder(http.send, specs["encode"].url, bodies, send, spec.url,
-                                        top)
+    assert upstream is not None
+    loaded = await _beside_busy_encoder(http.send, specs["encode"].url, bodies, upstream,
+                                        spec.url, top)
     out.sharing_slowdown = slowdown(alone, loaded)
     out.series["sharing"] = {"alone_ms": alone * 1000, "loaded_ms": loaded * 1000}
 
 
-async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, pd_send: Send,
+async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, upstream: Upstream,
                                pd_url: str, level: int) -> float:
-    """PD's time per output token at `level` in flight while E is kept busy."""
+    """PD's time per output token at `level` in flight while E is kept busy: the requests
+    readied by `upstream` and sent together, as profile_decode times PD alone."""
     stop = asyncio.Event()
 
     async def keep_busy(w: int) -> None:
@@ -273,9 +278,9 @@ async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, pd_send: 
 
     busy = [asyncio.create_task(keep_busy(w)) for w in range(LEVELS[-1])]
     try:
-        timings = await closed_loop(pd_send, pd_url,
-                                    lambda n: bodies.chat(40_000 + n, DECODE_TOKENS, True),
-                                    level)
+        ready = await asyncio.gather(*(upstream(bodies.chat(40_000 + n, DECODE_TOKENS, True))
+                                       for n in range(level)))
+        timings = await asyncio.gather(*(send(pd_url, b) for b in ready))
     finally:
         stop.set()
         await asyncio.gather(*busy, return_exceptions=True)
@@ -323,27 +328,46 @@ def _images(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in body["messages"][0]["content"] if p.get("type") == "image_url"]
 
 
-def _after_encoder(http: Http, e_url: str, bodies: Bodies) -> Send:
-    """A Send that has E encode the request's images first (untimed), as the proxy does."""
-    async def send(url: str, body: dict[str, Any]) -> Timing:
+def _encoded(http: Http, e_url: str) -> Upstream:
+    """E encodes the request's images first (untimed), as the proxy has it do."""
+    async def ready(body: dict[str, Any]) -> dict[str, Any]:
         await _encode(http, e_url, body)
-        return await http.send(url, body)
+        return body
 
-    return send
+    return ready
 
 
-def _after_prefill(http: Http, p_url: str, e_url: str | None) -> Send:
-    """A Send to D that has E and P do their part first (untimed), as the proxy does, and
-    gives D P's kv_transfer_params."""
+def _prefilled(http: Http, p_url: str, e_url: str | None) -> Upstream:
+    """E (where there is one) and P do their part first (untimed), as the proxy has them
+    do; the body then carries P's kv_transfer_params for D."""
     from epdctl.proxy.request.shape import PREFILL_KV
 
-    async def send(url: str, body: dict[str, Any]) -> Timing:
+    async def ready(body: dict[str, Any]) -> dict[str, Any]:
         if e_url is not None:
             await _encode(http, e_url, body)
         answer = await http.post(p_url, {**body, "stream": False, "max_tokens": 1,
                                          "max_completion_tokens": 1,
                                          "kv_transfer_params": dict(PREFILL_KV)})
         params = answer.get("kv_transfer_params")
-        return await http.send(url, {**body, "kv_transfer_params": params} if params else body)
+        return {**body, "kv_transfer_params": params} if params else body
+
+    return ready
+
+
+def _after(http: Http, upstream: Upstream) -> Send:
+    """A Send that does `upstream`'s work first, then times the request itself."""
+    async def send(url: str, body: dict[str, Any]) -> Timing:
+        return await http.send(url, await upstream(body))
 
     return send
+
+
+def _after_encoder(http: Http, e_url: str, bodies: Bodies) -> Send:
+    """A Send that has E encode the request's images first (untimed), as the proxy does."""
+    return _after(http, _encoded(http, e_url))
+
+
+def _after_prefill(http: Http, p_url: str, e_url: str | None) -> Send:
+    """A Send to D that has E and P do their part first (untimed), as the proxy does, and
+    gives D P's kv_transfer_params."""
+    return _after(http, _prefilled(http, p_url, e_url))

@@ -182,46 +182,65 @@ async def profile_prefill(send: Send, url: str, body: Body, tokens: int,
         series
 
 
+Upstream = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+"""Body -> the body the timed instance gets, after the untimed work before it (E encodes
+the images, P prefills and hands its KV over), as the proxy would do it."""
+
+
 async def profile_decode(send: Send, url: str, body: Body, levels: Sequence[int] = LEVELS,
-                         limit_ms: float | None = None, max_seqs: int | None = None
-                         ) -> tuple[StepCost, Series]:
+                         limit_ms: float | None = None, max_seqs: int | None = None,
+                         upstream: Upstream | None = None) -> tuple[StepCost, Series]:
     """A streamed request's time per output token: fixed + per_seq x b + per_seq2 x b^2
     for the batch b it decoded in (context at the workload's lengths folded in; fit_curve).
-    One round per level, all sent at once: their prefills share the first steps, and every
-    later step only decodes (in a closed loop, newcomers' prefills would mix into the timed
-    steps, which the queue model counts on its own). The batch is measured, not the level
-    (decoding_beside): sent together through E and P, 8 requests reached a D one after
-    another over ~2 s and decoded ~4.6 at a time, and fitted against the level, per_seq came
-    out at half the truth.
+    Per level, `upstream` first does each request's work before the decoder (all of them),
+    then all are sent at once: their prefills (PD) share the first steps, and every later
+    step only decodes. The batch is measured, not taken to be the level (decoding_beside):
+    sent through E and P one by one, 8 requests reached a D one after another over ~2 s
+    and decoded ~4.6 at a time (fitted against the level, per_seq came out at half the
+    truth), and 64 behind one slow E never decoded more than 7 at a time.
 
     With `limit_ms` (the TPOT limit), the levels go on doubling (decode_levels) until the
     batch the limit allows is reached: fitted on batches of ~5 and extrapolated to the ~20
     the limit allowed, one machine's decoders were predicted at half their real goodput."""
-    def measured(level: int, start: int) -> Awaitable[Series]:
-        return sweep(send, url, body, lambda t: t.tpot, (level,), rounds=1,
-                     batch=lambda timings: mean(decoding_beside(timings)), start=start)
-
     series = Series((), ())
-    for level in decode_levels(levels, None, limit_ms, max_seqs):
-        series = _joined(series, await measured(level, sum(series.levels)))
+    for level in levels:
+        series = _joined(series, await _decode_level(send, url, body, level,
+                                                     sum(series.levels), upstream))
     while (more := decode_levels(series.levels, series, limit_ms, max_seqs)) != series.levels:
-        series = _joined(series, await measured(more[-1], sum(series.levels)))
+        series = _joined(series, await _decode_level(send, url, body, more[-1],
+                                                     sum(series.levels), upstream))
     fixed, per_seq, per_seq2 = fit_curve(series.batch, series.values)
     return StepCost(fixed_ms=fixed * 1000, per_seq_ms=per_seq * 1000,
                     per_seq2_ms=per_seq2 * 1000), series
+
+
+async def _decode_level(send: Send, url: str, body: Body, level: int, start: int,
+                        upstream: Upstream | None) -> Series:
+    """One level of profile_decode: requests start..start+level-1 readied upstream, then
+    sent together; their mean time per token and the mean batch they decoded in."""
+    bodies = [body(start + w) for w in range(level)]
+    if upstream is not None:
+        bodies = list(await asyncio.gather(*(upstream(b) for b in bodies)))
+    timings = await asyncio.gather(*(send(url, b) for b in bodies))
+    timed = [t for t in timings if t.tpot is not None]
+    return Series((level,), (mean([t.tpot for t in timed if t.tpot is not None]),),
+                  (mean(decoding_beside(timed)) or float(level),))
 
 
 def decode_levels(levels: Sequence[int], series: Series | None, limit_ms: float | None,
                   max_seqs: int | None) -> tuple[int, ...]:
     """The decode profile's levels: `levels`, and one more (twice the last) while the
     batches measured so far (`series`) stay below the one whose step takes `limit_ms`
-    (the fit says where), up to MAX_DECODE_LEVEL and `max_seqs`."""
+    (the fit says where) and the last level still decoded a larger batch than the one
+    before it (by a quarter at least), up to MAX_DECODE_LEVEL and `max_seqs`."""
     levels = tuple(levels)
     if series is None or limit_ms is None or not series.batch:
         return levels
     fixed, per_seq, per_seq2 = fit_curve(series.batch, series.values)
     reached = max(series.batch)
     if (fixed + per_seq * reached + per_seq2 * reached ** 2) * 1000 >= limit_ms:
+        return levels
+    if len(series.batch) > 1 and series.batch[-1] < 1.25 * series.batch[-2]:
         return levels
     more = 2 * levels[-1]
     if more > min(MAX_DECODE_LEVEL, max_seqs or MAX_DECODE_LEVEL):

@@ -253,3 +253,25 @@ def test_a_decode_step_super_linear_in_the_batch_is_fitted_as_one() -> None:
     assert cost.ms(0, 0, 32, 0) == pytest.approx(step(32) * 1000, rel=0.02)
     a, b = fit_line([1, 2, 4, 8], [step(x) for x in (1, 2, 4, 8)])
     assert abs((a + b * 32) / step(32) - 1) > 0.2
+
+
+def test_each_decode_level_is_readied_upstream_then_sent_together() -> None:
+    """E and P do each request's part first (untimed), all of a level's, and only then
+    does the decoder get them, at once: one after another behind a slow E, 64 requests
+    never decoded more than 7 at a time."""
+    events: list[str] = []
+
+    async def upstream(b: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(0.001 * (b["n"] % 4))  # E finishes them out of order
+        events.append(f"up {b['n']}")
+        return {**b, "ready": True}
+
+    async def send(url: str, b: dict[str, Any]) -> Timing:
+        assert b["ready"]
+        events.append(f"send {b['n']}")
+        return Timing(0.0, 0.0, 0.015, 16)
+
+    asyncio.run(profile_decode(send, "d", lambda n: {"n": n}, (2, 4), upstream=upstream))
+    assert [e.split()[0] for e in events] == ["up"] * 2 + ["send"] * 2 + ["up"] * 4 \
+        + ["send"] * 4
+    assert sorted(int(e.split()[1]) for e in events if e.startswith("send")) == list(range(6))
