@@ -28,6 +28,10 @@ def test_agg_call() -> None:
     assert bench_tune.agg_call_right(sweep, "e-pd")
     assert bench_tune.agg_call_right(sweep, "epd")
     assert not bench_tune.agg_call_right(sweep, "aggregated")
+    tie = {"a": ("aggregated", 2.909), "b": ("epd", 2.954)}  # 1.5 % apart: a tie
+    assert bench_tune.agg_call_right(tie, "aggregated") and bench_tune.agg_call_right(tie, "epd")
+    apart = {"a": ("aggregated", 2.7), "b": ("epd", 2.954)}  # 9 %: not
+    assert not bench_tune.agg_call_right(apart, "aggregated")
 
 
 class _Point:
