@@ -17,6 +17,7 @@ from epdctl.errors import BenchError
 from epdctl.topology.model import Topology
 from epdctl.tune.candidates import Candidate, Shape, candidates, limits_for, request_tokens
 from epdctl.tune.decide import (
+    MARGIN,
     MAX_CONFIRM,
     Decision,
     Measured,
@@ -231,6 +232,7 @@ def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
     stop, correcting every row's prediction by what was measured before each step."""
     by_name = {r.candidate.name: r for r in rows}
     stages = {r.candidate.name: r.stage or "" for r in rows}
+    groups = (stages, {r.candidate.name: r.candidate.shape.kind for r in rows})
     families = {r.candidate.name: r.candidate.shape.family for r in rows}
     aggregated = [r.candidate.name for r in ranked if r.candidate.shape.kind == "aggregated"]
     must = aggregated[:1]
@@ -240,7 +242,7 @@ def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
     predicted = [(r.candidate.name, r.prediction.goodput) for r in ranked if r.prediction]
     cost_s = 0.0
     while True:
-        order = corrected(dict(predicted), stages, measured)
+        order = corrected(dict(predicted), groups, measured)
         for name, value in order.items():
             by_name[name].corrected = round(value, 4)
         if not_profiled:
@@ -251,7 +253,7 @@ def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
         decision = next_step(predicted, measured, must=must, elapsed_s=clock() - started,
                              budget_s=settings.budget_s, cost_s=cost_s,
                              max_confirm=settings.max_confirm, order=order,
-                             families=families)
+                             families=families, groups=groups, tie=MARGIN)
         if decision.stop or decision.next is None:
             return decision, measured
         row = by_name[decision.next]
