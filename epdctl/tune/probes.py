@@ -24,6 +24,7 @@ from epdctl.tune.profile import (
     Timing,
     Upstream,
     combine,
+    decode_level,
     profile_decode,
     profile_encode,
     profile_handoff,
@@ -212,7 +213,7 @@ async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies
         p_key, d_key = stage_key("prefill", p.tensor_parallel), stage_key("decode",
                                                                           d.tensor_parallel)
         if p_key not in known:
-            p_send = _after_encoder(http, specs["encode"].url, bodies) \
+            p_send = _after_encoder(http, specs["encode"].url) \
                 if "encode" in specs else send
             prefill, s1 = await profile_prefill(p_send, p.url, lambda n: bodies.chat(n, 1),
                                                 tokens, levels)
@@ -239,7 +240,7 @@ async def _profile_pd(http: Http, specs: dict[str, SpecModel], shape: Shape, bod
     spec = specs["prefill_decode"]
     encodes = "encode" not in specs
     key = stage_key("prefill_decode", spec.tensor_parallel, encodes=encodes)
-    send = http.send if encodes else _after_encoder(http, specs["encode"].url, bodies)
+    send = http.send if encodes else _after_encoder(http, specs["encode"].url)
     upstream = None if encodes else _encoded(http, specs["encode"].url)
     decode_body = lambda n: bodies.chat(10_000 + n, DECODE_TOKENS, True)  # noqa: E731
     levels = at.levels
@@ -266,8 +267,8 @@ async def _profile_pd(http: Http, specs: dict[str, SpecModel], shape: Shape, bod
 
 async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, upstream: Upstream,
                                pd_url: str, level: int) -> float:
-    """PD's time per output token at `level` in flight while E is kept busy: the requests
-    readied by `upstream` and sent together, as profile_decode times PD alone."""
+    """PD's time per output token at `level` in flight while E is kept busy: one level of
+    profile_decode (decode_level), as PD alone was timed."""
     stop = asyncio.Event()
 
     async def keep_busy(w: int) -> None:
@@ -278,14 +279,13 @@ async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, upstream:
 
     busy = [asyncio.create_task(keep_busy(w)) for w in range(LEVELS[-1])]
     try:
-        ready = await asyncio.gather(*(upstream(bodies.chat(40_000 + n, DECODE_TOKENS, True))
-                                       for n in range(level)))
-        timings = await asyncio.gather(*(send(pd_url, b) for b in ready))
+        series = await decode_level(send, pd_url,
+                                    lambda n: bodies.chat(40_000 + n, DECODE_TOKENS, True),
+                                    level, 0, upstream)
     finally:
         stop.set()
         await asyncio.gather(*busy, return_exceptions=True)
-    values = [t.tpot for t in timings if t.tpot is not None]
-    return sum(values) / len(values) if values else 0.0
+    return series.values[0]
 
 
 def replace_seqs(cost: StepCost, max_seqs: int | None) -> StepCost:
@@ -362,7 +362,7 @@ def _after(http: Http, upstream: Upstream) -> Send:
     return send
 
 
-def _after_encoder(http: Http, e_url: str, bodies: Bodies) -> Send:
+def _after_encoder(http: Http, e_url: str) -> Send:
     """A Send that has E encode the request's images first (untimed), as the proxy does."""
     return _after(http, _encoded(http, e_url))
 

@@ -148,11 +148,11 @@ class Series:
 
 async def sweep(send: Send, url: str, body: Body, measure: Callable[[Timing], float | None],
                 levels: Sequence[int] = LEVELS, rounds: int = ROUNDS,
-                batch: Callable[[Sequence[Timing]], float] | None = None,
-                start: int = 0) -> Series:
+                batch: Callable[[Sequence[Timing]], float] | None = None) -> Series:
     """Per level, the mean of `measure` over the timings it measures; with `batch`, also
-    what it makes of those timings (0: the level). Requests are numbered from `start`."""
+    what it makes of those timings (0: the level)."""
     values, batches = [], []
+    start = 0
     for level in levels:
         timings = await closed_loop(send, url, body, level, rounds, start)
         start += level * rounds
@@ -204,17 +204,17 @@ async def profile_decode(send: Send, url: str, body: Body, levels: Sequence[int]
     the limit allowed, one machine's decoders were predicted at half their real goodput."""
     series = Series((), ())
     for level in levels:
-        series = _joined(series, await _decode_level(send, url, body, level,
+        series = _joined(series, await decode_level(send, url, body, level,
                                                      sum(series.levels), upstream))
     while (more := decode_levels(series.levels, series, limit_ms, max_seqs)) != series.levels:
-        series = _joined(series, await _decode_level(send, url, body, more[-1],
+        series = _joined(series, await decode_level(send, url, body, more[-1],
                                                      sum(series.levels), upstream))
     fixed, per_seq, per_seq2 = fit_curve(series.batch, series.values)
     return StepCost(fixed_ms=fixed * 1000, per_seq_ms=per_seq * 1000,
                     per_seq2_ms=per_seq2 * 1000), series
 
 
-async def _decode_level(send: Send, url: str, body: Body, level: int, start: int,
+async def decode_level(send: Send, url: str, body: Body, level: int, start: int,
                         upstream: Upstream | None) -> Series:
     """One level of profile_decode: requests start..start+level-1 readied upstream, then
     sent together; their mean time per token and the mean batch they decoded in."""
