@@ -20,8 +20,11 @@ from tests.test_benchmark_tune import bench_tune
 
 SCRIPT = Path(bench_tune.__file__ or "")
 CHILD = """
-import importlib.util, sys, time
+import importlib.util, signal, sys, time
 from pathlib import Path
+# Ctrl+C raises KeyboardInterrupt even where the test runner inherited SIGINT ignored (a
+# background job of a non-interactive shell).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 spec = importlib.util.spec_from_file_location("bench_tune", sys.argv[1])
 m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m)
