@@ -13,7 +13,7 @@ from epdctl.cli._app import App, pass_app
 from epdctl.cli._options import point_seconds_option
 from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 from epdctl.tune.decide import MAX_CONFIRM
-from epdctl.tune.search import KNEE_FACTORS, KNEE_STEP, KNEE_STEPS
+from epdctl.tune.search import CONFIRM_POINTS, KNEE_FACTORS, KNEE_STEP, KNEE_STEPS
 
 if TYPE_CHECKING:
     from epdctl.topology.model import Topology
@@ -61,9 +61,10 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
 @click.option("--max-confirm", type=click.IntRange(2), default=MAX_CONFIRM, show_default=True,
               help="Candidates confirmed with bench at most.")
 @click.option("--confirm-points", "confirm_points", type=click.IntRange(1, max(KNEE_FACTORS)),
-              default=max(KNEE_FACTORS), show_default=True,
-              help="Load points per confirmation run, around the predicted knee (fewer: "
-              "faster, a coarser measured knee).")
+              default=CONFIRM_POINTS, show_default=True,
+              help="Load points a confirmation run starts with, around the predicted knee "
+              "(1: the knee's grid rate, then one step at a time until the knee is "
+              "bracketed; 2-4 spread round it, each run).")
 @click.option("--knee-steps", "knee_steps", type=click.IntRange(0, 8),
               default=KNEE_STEPS, show_default=True, help="Load points a confirmation may "
               f"add, each {KNEE_STEP:.2f}x the last, while every rate holds the SLO (or "

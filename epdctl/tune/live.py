@@ -22,6 +22,7 @@ from epdctl.tune.probes import Bodies, Measurements, profile_running
 from epdctl.tune.profile import LEVELS
 from epdctl.tune.runner import Progress
 from epdctl.tune.search import (
+    CONFIRM_POINTS,
     KNEE_FACTORS,
     KNEE_STEPS,
     bracketing,
@@ -108,7 +109,7 @@ class LiveProfiler:
 
 class LiveConfirmer:
     def __init__(self, workload: Workload, state_root: Path, out_dir: Path, *,
-                 timeout_s: float, progress: Progress, points: int = 4,
+                 timeout_s: float, progress: Progress, points: int = CONFIRM_POINTS,
                  steps: int = KNEE_STEPS) -> None:
         self.workload, self.state_root, self.out_dir = workload, state_root, out_dir
         self.timeout_s, self.progress = timeout_s, progress

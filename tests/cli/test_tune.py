@@ -15,7 +15,7 @@ from click.testing import Result
 from epdctl.topology.model import load_topology
 from epdctl.tune.decide import above_knee, knee_rate
 from epdctl.tune.model import ATTAINMENT
-from epdctl.tune.search import KNEE_FACTORS, KNEE_STEPS
+from epdctl.tune.search import CONFIRM_POINTS, KNEE_STEPS
 from tests.harness import free_ports
 
 
@@ -90,7 +90,7 @@ def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> 
     for c in doc["candidates"]:  # each knee bracketed: a rate held, the next one up missed
         shares = [share for _, share in sorted(c["measured_points"])]
         held = [share >= ATTAINMENT for share in shares]
-        assert (True in held and False in held) or len(shares) == max(KNEE_FACTORS) \
+        assert (True in held and False in held) or len(shares) == CONFIRM_POINTS \
             + KNEE_STEPS, c["measured_points"]
     assert {c["bottleneck"] for c in doc["candidates"]} <= {"encode", "prefill_decode"}
     assert (out / "report.json").is_file() and "| # |" in (out / "report.md").read_text()
