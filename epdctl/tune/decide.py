@@ -144,7 +144,8 @@ def best_measured(measured: Sequence[Measured], kinds: Mapping[str, str]) -> Mea
 
 Groups = Sequence[Mapping[str, str]]
 """Ways of grouping candidates whose predictions err alike, the closest first: by the stage
-that binds them, then by kind (name -> group in each)."""
+that binds them, then by the engine that stage runs on (model.engine_of), then by kind
+(name -> group in each)."""
 
 
 def kin(name: str, groups: Groups, among: Sequence[str]) -> list[str]:
@@ -163,7 +164,8 @@ def corrected(predicted: Mapping[str, float], groups: Groups,
     its measurement; any other's is scaled by the geometric mean of measured/predicted over
     its kin among the confirmed ones (`kin`: those bound by the same stage, e.g. `decode-tp1`:
     what the model got wrong there it got wrong for each candidate that stage binds; else
-    those of its kind; else every one); with none confirmed, unchanged. By stage first, not
+    those bound on the same engine, `pd-tp1` for `pd+enc-tp1`; else those of its kind; else
+    every one); with none confirmed, unchanged. By stage first, not
     by kind: one kind held candidates the model overrated (bound by P) beside others it
     underrated (bound by one TP1 decoder), and one ratio for the kind pushed the second
     further down."""
