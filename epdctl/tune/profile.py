@@ -24,10 +24,9 @@ MAX_DECODE_LEVEL = 64
 limit allows (decode_levels)."""
 ROUNDS = 3
 """Requests each worker sends per level (the first round fills the batch)."""
-DECODE_TOKENS = 32
-"""Tokens each decode-profile request generates: enough that, once the last of a level's
-requests has its first token (its prompt prefilled, in chunks where prefill is chunked), the
-level still decodes all together for a while (steady_decode)."""
+DECODE_TOKENS = 16
+"""Tokens a decode-profile request generates, and one more for each request of its level
+(decode_tokens)."""
 STEADY_INTERVALS = 4
 """Token intervals per request a level's steady window must hold to be used."""
 HANDOFF_ROUNDS = 5
@@ -228,7 +227,7 @@ async def decode_level(send: Send, url: str, body: Body, level: int, start: int,
                         upstream: Upstream | None) -> Series:
     """One level of profile_decode: requests start..start+level-1 readied upstream, then
     sent together; their mean time per token and the mean batch they decoded in."""
-    bodies = [body(start + w) for w in range(level)]
+    bodies = [{**body(start + w), "max_tokens": decode_tokens(level)} for w in range(level)]
     if upstream is not None:
         bodies = list(await asyncio.gather(*(upstream(b) for b in bodies)))
     timings = await asyncio.gather(*(send(url, b) for b in bodies))
@@ -238,6 +237,14 @@ async def decode_level(send: Send, url: str, body: Body, level: int, start: int,
     timed = [t for t in timings if t.tpot is not None]
     return Series((level,), (mean([t.tpot for t in timed if t.tpot is not None]),),
                   (mean(decoding_beside(timed)) or float(level),))
+
+
+def decode_tokens(level: int) -> int:
+    """Tokens each request of a decode level generates: DECODE_TOKENS, and one more per
+    request of the level, so that once the last one has its first token (the level's
+    prompts prefilled, in chunks of a few hundred tokens where prefill is chunked: a step
+    or so per request) all of them still decode together for a while (steady_decode)."""
+    return DECODE_TOKENS + level
 
 
 def steady_decode(timings: Sequence[Timing]) -> float | None:

@@ -117,8 +117,8 @@ def test_a_pd_decode_step_is_timed_apart_from_the_prefill_chunks_beside_it() -> 
     """A PD whose prefill is chunked (400-token prompts, 600 tokens a step): a level's
     requests get their first tokens over several steps, and the first ones decode beside
     the others' chunks. Over the window where all decode, the fitted step at 32 is the
-    decode step's own (within 3 %); each answer's mean TPOT (no token times) puts it
-    far above (the chunks' time), as it did on random-107."""
+    decode step's own (within 3 %); each answer's mean TPOT (no token times) puts it a
+    fifth and more above (the chunks' time; 2-3x on random-107's PD)."""
     cost = COST.model_copy(update={"prefill": COST.prefill.model_copy(
         update={"chunk_tokens": 600, "per_token_ms": 0.2})})
     truth = cost.decode.fixed_ms + cost.decode.per_seq_ms * 32
@@ -130,7 +130,7 @@ def test_a_pd_decode_step_is_timed_apart_from_the_prefill_chunks_beside_it() -> 
         fitted[times] = decode.ms(0, 0, 32, 0)
         assert series.levels == (1, 2, 4, 8, 16, 32)
     assert fitted[True] == pytest.approx(truth, rel=0.03)
-    assert fitted[False] > 1.3 * truth
+    assert fitted[False] > 1.2 * truth
 
 
 def test_closed_loop_keeps_the_full_rounds() -> None:
