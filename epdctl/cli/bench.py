@@ -118,8 +118,8 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
 @click.option("--rounds", type=click.IntRange(1), metavar="R",
               help="Runs of every load point per arm, arms in alternating order (A B, B A, "
               "...). Default 2, the fewest that give a verdict, on cpu and cuda alike: a "
-              "verdict weighs how far one start of an arm lands from the next, which only "
-              "the first arm, brought up again for B A, measures. 2 rounds decide only large "
+              "verdict weighs how far one start of an arm lands from the next, which only an "
+              "arm brought up again (A, for B A) measures. 2 rounds decide only large "
               "differences, 4 finer ones; 1 gives the figures without a verdict.")
 @click.option("--warmup", type=click.IntRange(0), default=3, show_default=True, metavar="N",
               help="Requests sent after each arm starts, at the first load, not counted.")

@@ -203,6 +203,9 @@ def test_bench_with_its_defaults_gives_no_verdict_between_a_topology_and_its_cop
                                                                    ("cpu-demo-copy", 1)]
         for v in doc["verdicts"]:
             assert v["kind"] in ("undecided", "on_par") and v["starts_measured"], v
+        for name in ("cpu-demo", "cpu-demo-copy"):  # every arm is down
+            assert not (state_root / name / "state.json").exists()
+            assert (state_root / name / "last-run.json").exists()
         print("\n" + "\n".join(verdicts))
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
