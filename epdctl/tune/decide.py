@@ -119,8 +119,11 @@ def _verdict(a: str, mine: Sequence[Round], b: str, theirs: Sequence[Round]) -> 
     from epdctl.bench.estimates import summarize
     from epdctl.bench.verdicts import Comparison, judge
 
+    # Candidates run once each: a choice must still be made, so the requests alone judge
+    # (bench says `undecided` there).
     (verdict,) = judge([Comparison(0, "knee", a, b, summarize(mine, True, VERDICT_SEED),
-                                   summarize(theirs, True, VERDICT_SEED))], has_slo=True)
+                                   summarize(theirs, True, VERDICT_SEED))], has_slo=True,
+                       should_judge_one_start=True)
     side = (verdict["figures"].get("request_goodput") or {}).get("side")
     return True if side == "better" else False if side == "worse" else None
 
