@@ -26,12 +26,14 @@ class Exported:
     """Requests that got no answer, or an error (their status not 2xx)."""
     unshaped: int = 0
     """Completion lines without the trace's fields: logged before the proxy wrote them."""
+    unread: int = 0
+    """Requests the proxy passed through unread (a body it does not take; vLLM answered)."""
 
     def as_json(self, path: Path) -> dict[str, Any]:
         trace = Trace(tuple(self.requests))
         return {"path": str(path), "requests": len(self.requests),
                 "duration_s": round(trace.duration_s, 3), "classes": counts(self.requests),
-                "failed": self.failed, "without_shape": self.unshaped}
+                "failed": self.failed, "unread": self.unread, "without_shape": self.unshaped}
 
     def summary(self, path: Path) -> str:
         """`wrote 12 requests over 3.4 s to FILE (text 4, image 6, image2 2)`, and what was
@@ -40,11 +42,19 @@ class Exported:
         classes = ", ".join(f"{name} {n}" for name, n in doc["classes"].items())
         text = f"wrote {doc['requests']} requests over {doc['duration_s']:.1f} s to {path} " \
                f"({classes})"
-        if self.failed:
-            text += f"; left out {self.failed} failed"
+        left = self.left_out()
+        if left:
+            text += f"; left out {left}"
         if self.unshaped:
             text += f"; skipped {self.unshaped} lines logged before requests' shapes were"
         return text
+
+    def left_out(self) -> str:
+        """`2 failed, 1 passed through unread` (or nothing)."""
+        left = [f"{self.failed} failed"] if self.failed else []
+        if self.unread:
+            left.append(f"{self.unread} passed through unread")
+        return ", ".join(left)
 
 
 def fields(text: str) -> dict[str, str] | None:
@@ -92,18 +102,21 @@ def read_requests(proxy_log: Path, since: float | None = None) -> Exported:
         got = fields(line.text)
         if got is None or got.get("route") not in ORCHESTRATED:
             continue
-        if "text_tokens" not in got or "at" not in got:
+        if since is not None and _arrival(got, line.time) < since:
+            continue
+        if is_failed(got.get("status", "")):
+            out.failed += 1
+            continue
+        if "at" not in got:
             out.unshaped += 1
+            continue
+        if "text_tokens" not in got:
+            out.unread += 1
             continue
         try:
             request = request_of(got)
         except (KeyError, ValueError):
             out.unshaped += 1  # a line cut short, or not the proxy's
-            continue
-        if since is not None and request.timestamp_ms < since * 1000:
-            continue
-        if is_failed(got.get("status", "")):
-            out.failed += 1
             continue
         arrived.append(request)
     arrived.sort(key=lambda r: r.timestamp_ms)
@@ -111,6 +124,14 @@ def read_requests(proxy_log: Path, since: float | None = None) -> Exported:
     out.requests = [TraceRequest(round(r.timestamp_ms - start, 3), r.input_length,
                                  r.output_length, r.media, r.stream) for r in arrived]
     return out
+
+
+def _arrival(got: dict[str, str], end: float | None) -> float:
+    """When a line's request came (epoch s): its `at=`, else its line's own time (its end)."""
+    try:
+        return float(got["at"])
+    except (KeyError, ValueError):
+        return end if end is not None else 0.0
 
 
 def export(proxy_log: Path, path: Path, since: float | None = None) -> Exported:
@@ -122,9 +143,7 @@ def export(proxy_log: Path, path: Path, since: float | None = None) -> Exported:
     exported = read_requests(proxy_log, since)
     if not exported.requests:
         window = "" if since is None else " in that window (--since)"
-        left = []
-        if exported.failed:
-            left.append(f"{exported.failed} failed")
+        left = [exported.left_out()] if exported.left_out() else []
         if exported.unshaped:
             left.append(f"{exported.unshaped} logged before requests' shapes were")
         why = f" ({', '.join(left)})" if left else ""

@@ -10,10 +10,12 @@ import struct
 
 from epdctl.traces.format import MediaItem
 
+FIRST_CHARS = 64
+"""base64 decoded first (48 bytes): a PNG's, GIF's, WebP's, BMP's or plain WAV's header."""
 HEAD_CHARS = 4096
-"""base64 decoded first (3 KiB): every header here but a JPEG's behind large metadata."""
+"""Then, for a JPEG (3 KiB): its frame header behind a little metadata."""
 MAX_HEAD_CHARS = 1 << 18
-"""base64 decoded at most (192 KiB): a JPEG's EXIF and ICC segments before its frame header."""
+"""At most, for a JPEG (192 KiB): behind EXIF and ICC segments."""
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 """Start-of-frame markers (C4 Huffman tables, C8 reserved, CC arithmetic coding are not)."""
 
@@ -126,17 +128,21 @@ def measured(modality: str, ref: str, *, is_base64: bool = False) -> MediaItem:
         start = comma + 1
     else:
         return MediaItem(modality)
+    head = b64_head(ref, start, FIRST_CHARS)
     if modality == "audio":
-        seconds = wav_seconds(b64_head(ref, start), _b64_bytes(ref, start))
+        seconds = wav_seconds(head, _b64_bytes(ref, start))
+        if seconds is None and head.startswith(b"RIFF"):  # chunks before the data's
+            seconds = wav_seconds(b64_head(ref, start), _b64_bytes(ref, start))
         return MediaItem("audio", seconds=seconds)
     frames = None
     if modality == "video":
         if is_base64 or ref[5:start - 1].lower() != "video/jpeg;base64":
             return MediaItem("video")
         frames = ref.count(",", start) + 1  # vLLM's form: base64 JPEG frames, comma-joined
-    head = b64_head(ref, start)
-    size = image_size(head)
-    if size is None and head.startswith(b"\xff\xd8") and len(ref) - start > HEAD_CHARS:
-        size = image_size(b64_head(ref, start, MAX_HEAD_CHARS))  # behind long metadata
+    size, decoded = image_size(head), FIRST_CHARS
+    for chars in (HEAD_CHARS, MAX_HEAD_CHARS):  # a JPEG's frame header behind its metadata
+        if size is not None or not head.startswith(b"\xff\xd8") or len(ref) - start <= decoded:
+            break
+        size, decoded = image_size(b64_head(ref, start, chars)), chars
     width, height = size or (None, None)
     return MediaItem(modality, width, height, frames)

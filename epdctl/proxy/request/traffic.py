@@ -27,7 +27,7 @@ from typing import Any
 from epdctl.proxy.request import responses
 from epdctl.proxy.request.parse import CHAT, COMPLETIONS, RESPONSES, MediaItem, find_media
 from epdctl.proxy.request.sizes import measured
-from epdctl.proxy.sse import EVENT_END, classify
+from epdctl.proxy.sse import classify
 from epdctl.traces.format import MediaItem as Measured
 
 _PUNCT = bytes(c for c in range(128) if not (chr(c).isalnum() or chr(c) == "_"
@@ -78,7 +78,7 @@ def prompt_tokens(route: str, body: dict[str, Any]) -> int:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
         return sum(1 if isinstance(p, int) else len(p) if isinstance(p, list) else 0
                    for p in prompt)
-    return sum(text_tokens(text) for text in prompt_texts(route, body))
+    return text_tokens("\n".join(prompt_texts(route, body)))  # one pass: few, short texts
 
 
 def usage_tokens(data: bytes, route: str) -> int | None:
@@ -96,13 +96,11 @@ def usage_tokens(data: bytes, route: str) -> int | None:
 def leading_waits(first: bytes) -> int:
     """The events of a stream's first chunk before its first content (vLLM's role event,
     the Responses API's preamble)."""
-    start = n = 0
-    for end in EVENT_END.finditer(first):
-        if classify(first[start:end.start()])[0] != "wait":
-            break
-        n += 1
-        start = end.end()
-    return n
+    events = first.split(b"\n\n")
+    for n, event in enumerate(events[:-1]):
+        if classify(event)[0] != "wait":
+            return n
+    return len(events) - 1
 
 
 @dataclass(eq=False)
