@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epdctl.logs.lines import history
+from epdctl.logs.times import own_time
 from epdctl.proxy.request.parse import ORCHESTRATED
 from epdctl.traces.classes import counts
 from epdctl.traces.format import MediaItem, Trace, TraceError, TraceRequest, write_trace
@@ -65,7 +66,7 @@ def fields(text: str) -> dict[str, str] | None:
     if route_at < 0:
         return None
     out = {}
-    for part in text[route_at + 1:].split(" "):
+    for part in text[route_at + 1:].split():
         key, eq, value = part.partition("=")
         if eq:
             out[key] = value
@@ -94,31 +95,20 @@ def is_failed(status: str) -> bool:
 
 def read_requests(proxy_log: Path, since: float | None = None) -> Exported:
     """The requests of the proxy's log (those that arrived from `since`, epoch s), in
-    arrival order, timestamped from the first one's arrival."""
+    arrival order, timestamped from the first one's arrival. The file is read once, a line
+    at a time (a long run's log is large)."""
     out = Exported()
     arrived: list[TraceRequest] = []
-    lines = history("proxy", proxy_log, None, lambda line: True, since)
-    for line in lines:
-        got = fields(line.text)
-        if got is None or got.get("route") not in ORCHESTRATED:
-            continue
-        if since is not None and _arrival(got, line.time) < since:
-            continue
-        if is_failed(got.get("status", "")):
-            out.failed += 1
-            continue
-        if "at" not in got:
-            out.unshaped += 1
-            continue
-        if "text_tokens" not in got:
-            out.unread += 1
-            continue
-        try:
-            request = request_of(got)
-        except (KeyError, ValueError):
-            out.unshaped += 1  # a line cut short, or not the proxy's
-            continue
-        arrived.append(request)
+    with open(proxy_log, encoding="utf-8", errors="replace") as lines:
+        for text in lines:
+            got = fields(text)
+            if got is None or got.get("route") not in ORCHESTRATED:
+                continue
+            if since is not None and _arrival(got, text) < since:
+                continue
+            request = _sorted(got, out)
+            if request is not None:
+                arrived.append(request)
     arrived.sort(key=lambda r: r.timestamp_ms)
     start = arrived[0].timestamp_ms if arrived else 0.0
     out.requests = [TraceRequest(round(r.timestamp_ms - start, 3), r.input_length,
@@ -126,12 +116,29 @@ def read_requests(proxy_log: Path, since: float | None = None) -> Exported:
     return out
 
 
-def _arrival(got: dict[str, str], end: float | None) -> float:
-    """When a line's request came (epoch s): its `at=`, else its line's own time (its end)."""
+def _sorted(got: dict[str, str], out: Exported) -> TraceRequest | None:
+    """A completion line's request, or None with the reason it is left out counted."""
+    if is_failed(got.get("status", "")):
+        out.failed += 1
+    elif "at" not in got:
+        out.unshaped += 1
+    elif "text_tokens" not in got:
+        out.unread += 1
+    else:
+        try:
+            return request_of(got)
+        except (KeyError, ValueError):
+            out.unshaped += 1  # a line cut short, or not the proxy's
+    return None
+
+
+def _arrival(got: dict[str, str], text: str) -> float:
+    """When a line's request came (epoch s): its `at=`, else the line's own time (its
+    end)."""
     try:
         return float(got["at"])
     except (KeyError, ValueError):
-        return end if end is not None else 0.0
+        return own_time(text, time.time()) or 0.0
 
 
 def export(proxy_log: Path, path: Path, since: float | None = None) -> Exported:
