@@ -16,13 +16,12 @@ import pytest
 from epdctl.proxy.request.parse import CHAT, COMPLETIONS, RESPONSES
 from epdctl.proxy.request.traffic import (
     Recorded,
-    leading_waits,
     prompt_tokens,
     text_tokens,
     usage_tokens,
 )
 from epdctl.proxy.trace import Trace
-from tests.proxy.fakes import STREAM, chat_chunk, sse, sse_response
+from tests.proxy.fakes import STREAM, sse_response
 
 Image = pytest.importorskip("PIL.Image")
 WORDS = re.compile(r"\w+|[^\w\s]")
@@ -79,22 +78,14 @@ def test_usage_tokens_from_the_last_usage_never_from_content() -> None:
     assert usage_tokens(responses, RESPONSES) == 21
 
 
-def test_leading_waits_are_the_events_before_content() -> None:
-    assert leading_waits(STREAM) == 1  # vLLM's role event
-    assert leading_waits(sse(chat_chunk("Hi"))) == 0
-    assert leading_waits(b'data: {"type":"response.created"}\n\ndata: {"type":'
-                         b'"response.in_progress"}\n\ndata: {"type":"response.output_text.'
-                         b'delta","delta":"a"}\n\n') == 2
-
-
 def test_output_tokens_usage_then_events_then_max_tokens() -> None:
     answer = Recorded(CHAT, {"max_tokens": 50}, is_stream=False,
                       answer=b'{"usage":{"completion_tokens":7}}')
     assert answer.output() == (7, "usage")
-    streamed = Recorded(CHAT, {"max_tokens": 50}, is_stream=True, events=6,
-                        first=STREAM, tail=b"data: [DONE]\n\n")
+    streamed = Recorded(CHAT, {"max_tokens": 50}, is_stream=True, events=6, waits=1,
+                        tail=b"data: [DONE]\n\n")
     assert streamed.output() == (4, "events")  # less the role event and [DONE]
-    with_usage = Recorded(CHAT, {}, is_stream=True, events=9, first=STREAM,
+    with_usage = Recorded(CHAT, {}, is_stream=True, events=9, waits=1,
                           tail=b'data: {"choices":[],"usage":{"completion_tokens":5}}\n\n'
                                b"data: [DONE]\n\n")
     assert with_usage.output() == (5, "usage")

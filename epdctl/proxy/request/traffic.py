@@ -12,9 +12,10 @@ Output tokens, the first of: the answer's `usage` (`completion_tokens`; `output_
 Responses API), exact, in a whole answer or in a stream's last events (a stream has it where
 the client asked for `stream_options.include_usage`, and always on /v1/responses); a stream's
 events (counted as they are relayed, server/asgi.py: one bytes.count per chunk, nothing parsed)
-less those before its first content (vLLM's role event) and `[DONE]`: one event per token in
-vLLM's streams, fewer than the tokens where events carry several (`--stream-interval`,
-speculative decoding); else the request's max_tokens (an upper bound). `out_from=` says which.
+less those before its first content (vLLM's role event, as the peek before the stream was
+committed judged them) and `[DONE]`: one event per token in vLLM's streams, fewer than the
+tokens where events carry several (`--stream-interval`, speculative decoding); else the
+request's max_tokens (an upper bound). `out_from=` says which.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any
 from epdctl.proxy.request import responses
 from epdctl.proxy.request.parse import CHAT, COMPLETIONS, RESPONSES, MediaItem, find_media
 from epdctl.proxy.request.sizes import measured
-from epdctl.proxy.sse import classify
 from epdctl.traces.format import MediaItem as Measured
 
 _PUNCT = bytes(c for c in range(128) if not (chr(c).isalnum() or chr(c) == "_"
@@ -93,16 +93,6 @@ def usage_tokens(data: bytes, route: str) -> int | None:
     return int(match[1]) if match else None
 
 
-def leading_waits(first: bytes) -> int:
-    """The events of a stream's first chunk before its first content (vLLM's role event,
-    the Responses API's preamble)."""
-    events = first.split(b"\n\n")
-    for n, event in enumerate(events[:-1]):
-        if classify(event)[0] != "wait":
-            return n
-    return len(events) - 1
-
-
 @dataclass(eq=False)
 class Recorded:
     """What the line of one completion request records for a trace."""
@@ -116,9 +106,10 @@ class Recorded:
     """A whole answer's body (its usage)."""
     events: int = 0
     """A stream's events, as relayed (server/asgi.py)."""
-    first: bytes = b""
+    waits: int | None = None
+    """Those before its first content, as the peek judged them (stages/generate.py)."""
     tail: bytes = b""
-    """A stream's first chunk, and its last two."""
+    """A stream's last two chunks."""
 
     def fields(self) -> list[str]:
         """`text_tokens=N media=image:640x480,... out_tokens=N out_from=... stream=1`."""
@@ -149,9 +140,8 @@ class Recorded:
         if used is not None:
             return used, "usage"
         if self.is_stream and self.events:
-            waits = leading_waits(self.first)
             done = 1 if b"[DONE]" in self.tail else 0
-            return max(self.events - waits - done, 0), "events"
+            return max(self.events - (self.waits or 0) - done, 0), "events"
         for key in MAX_TOKEN_FIELDS.get(self.route, ()):
             value = self.body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:

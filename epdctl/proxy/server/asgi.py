@@ -98,12 +98,12 @@ async def send_stream(send: Any, answer: Answer, rid: str, watcher: Disconnect,
     """Relay a committed stream; the watcher's cancel stops it if the client leaves.
 
     What a trace records of it is counted on the way, nothing parsed: its events (a blank
-    line ends each; never inside one, where JSON escapes every newline), its first chunk
-    and its last two (request/traffic.py reads them once the line is written)."""
+    line ends each; never inside one, where JSON escapes every newline) and its last two
+    chunks (request/traffic.py reads their usage once the line is written)."""
     assert answer.stream is not None
     stream = answer.stream
     events = 0
-    first = prev = last = b""
+    prev = last = b""
     try:
         await send({"type": "http.response.start", "status": answer.status,
                     "headers": _headers(answer, rid)})
@@ -113,14 +113,12 @@ async def send_stream(send: Any, answer: Answer, rid: str, watcher: Disconnect,
             if last.endswith(b"\n") and chunk.startswith(b"\n"):  # a blank line cut in two
                 events += 1
             prev, last = last, chunk
-            if not first:
-                first = chunk
         watcher.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
     if recorded is not None:
-        recorded.events, recorded.first, recorded.tail = events, first, prev + last
+        recorded.events, recorded.tail = events, prev + last
 
 
 def presents(scope: Scope, keys: list[bytes]) -> bool:

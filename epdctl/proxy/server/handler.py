@@ -226,9 +226,10 @@ class ProxyHandler:
         if self.config.is_split or is_scoped:
             req.for_pd(body)  # the client's bytes no longer say it
         items = self.media.items(route, body)
+        if self.encoder is not None:  # the media found once (with fetched URLs' bytes, later)
+            trace.recorded.items = items
         if items:
             trace.items = len(items)
-            trace.recorded.items = items  # with the bytes of URLs fetched, once they are
             try:
                 by_content = await assign_uuids(items, self.client,
                                                 self.config.media_fetch_timeout_s,
