@@ -42,6 +42,17 @@ def test_fields_after_a_rid_with_spaces() -> None:
     assert fields("INFO:     127.0.0.1:5 - \"GET /health HTTP/1.1\" 200 OK") is None
 
 
+def test_media_labels_read_back() -> None:
+    items = [MediaItem("image"), MediaItem("image", 640, 480), MediaItem("video"),
+             MediaItem("video", 320, 240), MediaItem("video", 320, 240, 8),
+             MediaItem("video", frames=8), MediaItem("audio"), MediaItem("audio", seconds=2.5)]
+    assert [MediaItem.of_label(m.label) for m in items] == items
+    for bad in ("picture", "image:", "image:3", "image:0x3", "image:3x4x5", "audio:s",
+                "audio:-1s", "audio:nans", "video:1x2x3x4"):
+        with pytest.raises(ValueError, match="not a media label"):
+            MediaItem.of_label(bad)
+
+
 def test_requests_in_arrival_order_failed_and_old_lines_left_out(tmp_path: Path) -> None:
     log = write_log(tmp_path / "proxy.log", [
         f"{stamp(T0)} INFO epdctl.proxy: proxy on http://127.0.0.1:8000 mode=E|PD",

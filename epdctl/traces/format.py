@@ -74,7 +74,10 @@ class MediaItem:
         if not colon:
             return cls(kind)
         if kind == "audio" and size.endswith("s"):
-            seconds = float(size[:-1])
+            try:
+                seconds = float(size[:-1])
+            except ValueError:
+                seconds = math.nan
             if math.isfinite(seconds) and seconds > 0:
                 return cls(kind, seconds=seconds)
         elif kind == "video" and size.endswith("f") and size[:-1].isdigit():

@@ -27,10 +27,14 @@ Image = pytest.importorskip("PIL.Image")
 WORDS = re.compile(r"\w+|[^\w\s]")
 
 
-def jpeg(width: int, height: int) -> bytes:
+def encoded(fmt: str, width: int, height: int) -> bytes:
     buf = io.BytesIO()
-    Image.new("RGB", (width, height), (1, 2, 3)).save(buf, "JPEG")
+    Image.new("RGB", (width, height), (1, 2, 3)).save(buf, fmt)
     return buf.getvalue()
+
+
+def jpeg(width: int, height: int) -> bytes:
+    return encoded("JPEG", width, height)
 
 
 def image_url(data: bytes, mime: str = "image/jpeg") -> dict:
@@ -118,8 +122,8 @@ async def test_the_proxys_lines_for_three_shapes(rig_factory, caplog) -> None:
     rig = rig_factory(encode=("http://e0",))
     rig.fakes.then("pd0", lambda seen: httpx.Response(200, json={
         "id": "c", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 11}}))
-    rig.fakes.then("pd0", lambda seen: sse_response(
-        STREAM[:STREAM.index(b"\n\n") + 1], STREAM[STREAM.index(b"\n\n") + 1:]))
+    cut = STREAM.index(b"\n\n") + 1  # the first blank line cut in two: still one event
+    rig.fakes.then("pd0", lambda seen: sse_response(STREAM[:cut], STREAM[cut:]))
     rig.fakes.then("media", lambda seen: httpx.Response(
         200, content=jpeg(300, 200), headers={"content-type": "image/jpeg"}))
     before = time.time()
@@ -142,3 +146,22 @@ async def test_the_proxys_lines_for_three_shapes(rig_factory, caplog) -> None:
     assert [f.get("stream") for f in fields] == [None, "1", None]
     arrivals = [float(f["at"]) for f in fields]
     assert before - 0.001 <= arrivals[0] <= arrivals[1] <= arrivals[2] <= time.time()
+
+
+@pytest.mark.anyio
+async def test_without_an_encoder_and_on_responses(rig_factory, caplog) -> None:
+    """An aggregated topology (no E stage) still records its requests' media, found when the
+    line is written; /v1/responses records its images and its max_output_tokens."""
+    rig = rig_factory()
+    png = image_url(encoded("PNG", 20, 10), "image/png")
+    responses = {"model": "tiny", "max_output_tokens": 9, "instructions": "Be brief.",
+                 "input": [{"role": "user", "content": [
+                     {"type": "input_text", "text": "What is it?"},
+                     {"type": "input_image", "image_url": png["image_url"]["url"]}]}]}
+    with caplog.at_level("INFO", logger="epdctl.proxy"):
+        assert (await rig.chat([png, png])).status_code == 200
+        assert (await rig.client.post("/v1/responses", json=responses)).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if " route=" in r.getMessage()]
+    assert [line.split(" at=")[1].split(" ", 1)[1] for line in lines] == [
+        "text_tokens=0 media=image:20x10,image:20x10",
+        "text_tokens=7 media=image:20x10 out_tokens=9 out_from=max_tokens"]
