@@ -18,7 +18,7 @@ from epdctl.launch.state import RunState
 from epdctl.topology.model import Topology
 from epdctl.tune.candidates import Candidate, Shape
 from epdctl.tune.decide import Measured, above_knee, attainment, knee, knee_rate
-from epdctl.tune.probes import Bodies, Measurements, profile_running
+from epdctl.tune.probes import Bodies, Known, Measurements, profile_running
 from epdctl.tune.profile import LEVELS
 from epdctl.tune.runner import Progress
 from epdctl.tune.search import (
@@ -93,8 +93,7 @@ class LiveProfiler:
         """The SLO's TPOT limit: decoders are profiled up to the batch it allows."""
 
     @unwinding()  # SIGTERM and SIGHUP too take the probe topology down
-    def __call__(self, shape: Shape, topology: Topology, known: frozenset[str] = frozenset()
-                 ) -> Measurements:
+    def __call__(self, shape: Shape, topology: Topology, known: Known = ()) -> Measurements:
         from epdctl.launch.run import prepare, start_detached, stop
 
         path = write_topology(topology, self.out_dir / "probes" / f"{topology.name}.yaml")

@@ -8,7 +8,7 @@ import asyncio
 import base64
 import json
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -171,14 +171,33 @@ class Measurements:
     """The EC hand-off: an E-fed request's time through the proxy beyond E's and PD's own."""
 
 
+Known = Mapping[str, StepCost | None] | Collection[str]
+"""What earlier probes profiled: stage key -> its step cost (None, or a bare collection of
+keys: profiled, cost not given), and HANDOFF."""
+
+
+def known_decode(known: Mapping[str, StepCost | None], tp: int) -> StepCost | None:
+    """A decode step profiled at this TP size by an earlier probe, from whichever instance
+    it was timed on (a D, a PD fed by E, an aggregated PD): the same model's decode step on
+    the same devices, timed over steps that only decode (steady_decode). Profiling it once
+    per TP size, not once per kind of instance, took a third off tune's profiling."""
+    for key in (stage_key("decode", tp), stage_key("prefill_decode", tp),
+                stage_key("prefill_decode", tp, encodes=True)):
+        cost = known.get(key)
+        if cost is not None:
+            return replace(cost, prefill_fixed_ms=None, per_token_ms=0.0, per_image_ms=0.0)
+    return None
+
+
 async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens: int,
-                          levels: Sequence[int] = LEVELS, known: Collection[str] = (),
+                          levels: Sequence[int] = LEVELS, known: Known = (),
                           tpot_ms: float | None = None) -> Measurements:
     """Profile each instance of a running probe topology alone (one of each role), but for
     the stage keys in `known` (an earlier probe profiled them: an E in front of every E|PD
-    and E|P|D probe is timed once, not in each); and where it has E and PD, unless `known`
-    holds HANDOFF, the EC hand-off through its proxy. Decoders are timed up to the batch
-    the TPOT limit `tpot_ms` allows (profile_decode)."""
+    and E|P|D probe is timed once, not in each), and a decode step an earlier probe timed at
+    the same TP size (known_decode); and where it has E and PD, unless `known` holds
+    HANDOFF, the EC hand-off through its proxy. Decoders are timed up to the batch the TPOT
+    limit `tpot_ms` allows (profile_decode)."""
     specs = {s.role: s for s in state.engines}
     proxy = state.proxy
     key = state.proxy_api_key
@@ -186,8 +205,9 @@ async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens:
                  proxy.url: {"authorization": f"Bearer {key}"} if key else {}})
     out = Measurements()
     try:
+        costs = known if isinstance(known, Mapping) else dict.fromkeys(known)
         await _profile(http, specs, shape, bodies, tokens, _Levels(levels, tpot_ms), out,
-                       frozenset(known))
+                       costs)
         if {"encode", "prefill_decode"} <= specs.keys() and HANDOFF not in known:
             out.ec_ms, out.series["ec_handoff"] = await _handoff(
                 http, proxy.url, specs["encode"].url, specs["prefill_decode"].url, bodies)
@@ -198,7 +218,7 @@ async def profile_running(state: RunState, shape: Shape, bodies: Bodies, tokens:
 
 async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies: Bodies,
                    tokens: int, at: _Levels, out: Measurements,
-                   known: frozenset[str]) -> None:
+                   known: Mapping[str, StepCost | None]) -> None:
     send: Send = http.send
     levels = at.levels
     if "encode" in specs and "encode" not in known:
@@ -221,11 +241,13 @@ async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies
             return
         e_url = specs["encode"].url if "encode" in specs else None
         d_send = _after_prefill(http, p.url, e_url)
-        decode, s2 = await profile_decode(
-            send, d.url, lambda n: bodies.chat(20_000 + n, DECODE_TOKENS, True), levels,
-            at.tpot_ms, _max_seqs(d), _prefilled(http, p.url, e_url))
+        decode = known_decode(known, d.tensor_parallel)
+        if decode is None:
+            decode, s2 = await profile_decode(
+                send, d.url, lambda n: bodies.chat(20_000 + n, DECODE_TOKENS, True), levels,
+                at.tpot_ms, _max_seqs(d), _prefilled(http, p.url, e_url))
+            out.series["decode"] = s2.as_json()
         out.stages[d_key] = replace_seqs(decode, _max_seqs(d))
-        out.series["decode"] = s2.as_json()
         one = await d_send(d.url, bodies.chat(30_000, DECODE_TOKENS, True))
         step = decode.ms(0, 0, 1, 0) / 1000
         out.kv_ms = max((one.first - one.start - step) * 1000, 0.0)
@@ -233,9 +255,10 @@ async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies
 
 async def _profile_pd(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies: Bodies,
                       tokens: int, at: _Levels, out: Measurements,
-                      known: frozenset[str]) -> None:
-    """PD's prefill and decode (unless known), and beside a shared GPU's busy E how much
-    slower its decode gets (against its decode alone at the top level, timed again then)."""
+                      known: Mapping[str, StepCost | None]) -> None:
+    """PD's prefill and decode (unless known; its decode, unless known at its TP size), and
+    beside a shared GPU's busy E how much slower its decode gets (against its decode alone
+    at the top level, timed again then)."""
     spec = specs["prefill_decode"]
     encodes = "encode" not in specs
     key = stage_key("prefill_decode", spec.tensor_parallel, encodes=encodes)
@@ -243,16 +266,21 @@ async def _profile_pd(http: Http, specs: dict[str, SpecModel], shape: Shape, bod
     upstream = None if encodes else _encoded(http, specs["encode"].url)
     decode_body = lambda n: bodies.chat(10_000 + n, DECODE_TOKENS, True)  # noqa: E731
     levels = at.levels
+    s2 = None
     if key not in known:
         prefill, s1 = await profile_prefill(send, spec.url, lambda n: bodies.chat(n, 1),
                                             tokens, levels)
-        decode, s2 = await profile_decode(http.send, spec.url, decode_body, levels,
-                                          at.tpot_ms, _max_seqs(spec), upstream)
+        decode = known_decode(known, spec.tensor_parallel)
+        series: dict[str, Any] = {"prefill": s1.as_json()}
+        if decode is None:
+            decode, s2 = await profile_decode(http.send, spec.url, decode_body, levels,
+                                              at.tpot_ms, _max_seqs(spec), upstream)
+            series["decode"] = s2.as_json()
         out.stages[key] = combine(prefill, decode, _max_seqs(spec))
-        out.series[key] = {"prefill": s1.as_json(), "decode": s2.as_json()}
+        out.series[key] = series
     if not shape.shared or encodes:
         return
-    if key in known:
+    if s2 is None:
         _, s2 = await profile_decode(http.send, spec.url, decode_body, levels[-1:],
                                      upstream=upstream)
     top = levels[-1]  # not a level the decode profile went on to (decode_levels)

@@ -47,9 +47,9 @@ class Progress(Protocol):
     def line(self, text: str) -> None: ...
 
 
-Profiler = Callable[[Shape, Topology, frozenset[str]], Measurements]
-"""Bring a probe topology up, profile it (but for the stage keys given: profiled already),
-take it down."""
+Profiler = Callable[[Shape, Topology, Mapping[str, StepCost | None]], Measurements]
+"""Bring a probe topology up, profile it (but for the stage keys given: profiled already,
+with their costs), take it down."""
 Confirmer = Callable[[Candidate, float], Measured]
 """Run bench on a candidate around a predicted knee (req/s); its measured goodput."""
 
@@ -146,9 +146,11 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
             skipped.append(shape.label)
             continue
         progress.line(f"profile {shape.label}: starting")
-        known = frozenset(k for e in store.values() for k in e.get("stages", {}))
+        known: dict[str, StepCost | None] = {
+            k: StepCost(**cost) for e in store.values()
+            for k, cost in e.get("stages", {}).items()}
         if _values(store, "ec_ms"):
-            known |= {HANDOFF}
+            known[HANDOFF] = None
         got = profiler(shape, base_placed(shape), known)
         store[shape.label] = {"stages": {k: asdict(v) for k, v in got.stages.items()},
                               "series": got.series, "kv_ms": got.kv_ms,

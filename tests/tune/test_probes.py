@@ -122,3 +122,37 @@ def test_the_ec_handoff_is_the_proxys_hop(tmp_path: Path, monkeypatch: pytest.Mo
     assert got.ec_ms is not None and 200 <= got.ec_ms < 2000, got.series["ec_handoff"]
     assert len(got.series["ec_handoff"]["through_ms"]) == 5
     assert again.ec_ms is None and again.stages == {} and again.series == {}
+
+
+def test_a_decode_step_timed_at_a_tp_size_is_not_timed_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step an earlier probe timed on TP1 (here an E-fed PD's) serves an aggregated
+    PD's decode and an E|P|D's D: their prefills are profiled, their decodes are not (no
+    decode series), and D's KV pull is still timed."""
+    from epdctl.tune.des import StepCost
+    from epdctl.tune.probes import known_decode
+
+    monkeypatch.setenv("EPDCTL_FAKE_GPUS", "3")
+    monkeypatch.delenv("EPDCTL_PROXY_COMMAND", raising=False)
+    pd = StepCost(fixed_ms=7.0, per_seq_ms=0.3, per_seq2_ms=0.01, prefill_fixed_ms=50.0,
+                  per_token_ms=0.2, max_seqs=99)
+    decode = known_decode({"pd-tp1": pd}, 1)
+    assert decode is not None and known_decode({"pd-tp1": pd}, 2) is None
+    assert (decode.fixed_ms, decode.per_seq_ms, decode.per_seq2_ms) == (7.0, 0.3, 0.01)
+    assert (decode.prefill_fixed_ms, decode.per_token_ms) == (None, 0.0)
+    assert known_decode({"decode-tp1": None, "pd+enc-tp1": pd}, 1) == decode
+
+    aggregated, _ = _profile_twice(tmp_path, _base(tmp_path), Shape("aggregated",
+                                                                    pd=Pool(1, 1)), 1,
+                                   ((1, 2), {"pd-tp1": pd}), ((1,), {"pd+enc-tp1": None}))
+    cost = aggregated.stages["pd+enc-tp1"]
+    assert (cost.fixed_ms, cost.per_seq_ms, cost.per_seq2_ms) == (7.0, 0.3, 0.01)
+    assert cost.per_token_ms > 0 and cost.per_token_ms != 0.2  # its own prefill, profiled
+    assert set(aggregated.series["pd+enc-tp1"]) == {"prefill"}
+
+    shape = Shape("epd", 1, prefill=Pool(1, 1), decode=Pool(1, 1))
+    epd, _ = _profile_twice(tmp_path / "epd", _base(tmp_path), shape, 1,
+                            ((1, 2), {"encode": None, "pd-tp1": pd}),
+                            ((1,), {"encode": None, "prefill-tp1": None, "decode-tp1": None}))
+    assert epd.stages["decode-tp1"].per_seq_ms == 0.3 and "decode" not in epd.series
+    assert epd.kv_ms is not None and "prefill" in epd.series

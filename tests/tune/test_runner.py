@@ -3,6 +3,7 @@ aggregated candidate confirmed, the budget honoured, the best measured one named
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,10 +47,13 @@ def settings(tmp_path: Path, budget_s: float = 1e9) -> Settings:
 
 def profiler_calls(calls: list[str], told: list[frozenset[str]] | None = None
                    ):  # type: ignore[no-untyped-def]
-    def profile(shape: Shape, topology: Topology, known: frozenset[str]) -> Measurements:
+    def profile(shape: Shape, topology: Topology, known: Mapping[str, StepCost | None]
+                ) -> Measurements:
         calls.append(shape.label)
+        for key, cost in known.items():  # each stage profiled before, with its cost
+            assert cost == (None if key == HANDOFF else STAGES[key]), key
         if told is not None:
-            told.append(known)
+            told.append(frozenset(known))
         from epdctl.tune.model import needed_stages
 
         handoff = shape.encoders and shape.pd.replicas and HANDOFF not in known
@@ -232,7 +236,8 @@ def test_a_budget_spent_while_profiling_stops_it_there(tmp_path: Path) -> None:
     clock = Clock()
     profile = profiler_calls(calls)
 
-    def slow(shape: Shape, topology: Topology, known: frozenset[str]) -> Measurements:
+    def slow(shape: Shape, topology: Topology, known: Mapping[str, StepCost | None]
+             ) -> Measurements:
         clock.now += 100.0  # a probe takes 100 s: the budget is spent after the first
         return profile(shape, topology, known)
 
