@@ -28,7 +28,7 @@ from epdctl.bench.workload import Workload, parse_result, write_dataset
 from epdctl.errors import BenchError, EpdctlError, StartupError
 from epdctl.host.interrupts import unwinding
 from epdctl.launch.state import RunState
-from epdctl.traces.format import describe
+from epdctl.traces.classes import describe
 from epdctl.verifier.prompts import PROMPTS, ChatAnswer, Prompt, chat_body, send_chat
 
 POLL_S = 1.0
