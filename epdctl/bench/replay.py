@@ -160,8 +160,9 @@ def result(args: argparse.Namespace, source: str, kind: str,
         "scheduled_offsets": list(times), "send_offsets": done.offsets}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+async def replay_trace(args: argparse.Namespace) -> tuple[dict[str, Any], Replayed]:
+    """The trace (its first --num-prompts lines) sent at its times over --speed; the result
+    file's contents. SystemExit in one line for a trace that cannot be read."""
     try:
         trace = read_trace(args.trace, args.limit)
     except TraceError as exc:
@@ -169,8 +170,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     count = args.num_prompts or len(trace.requests)
     requests = trace.requests[:count]
     times = scaled(trace, args.speed)[:count]
-    done = asyncio.run(run(args, requests, times))
-    figures = result(args, trace.source, trace.kind, requests, times, done)
+    done = await run(args, requests, times)
+    return result(args, trace.source, trace.kind, requests, times, done), done
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    figures, done = asyncio.run(replay_trace(args))
+    times = figures["scheduled_offsets"]
     failed = [o.error for o in done.outcomes if o.error]
     print(f"replay: {figures['completed']} completed, {len(failed)} failed in "
           f"{done.duration:.1f} s ({figures['request_throughput']:.2f} req/s)"

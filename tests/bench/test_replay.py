@@ -18,7 +18,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from epdctl.bench import replay
-from epdctl.bench.bodies import Defaults, body, request_seed
+from epdctl.bench.bodies import Defaults, body, part, request_seed
 from epdctl.bench.client import Outcome
 from epdctl.bench.samples import parse_round
 from epdctl.bench.workload import WORDS, parse_result, parse_slo
@@ -91,6 +91,14 @@ def test_what_a_line_leaves_out_comes_from_the_defaults_and_text_is_a_string() -
     text_only = body(TraceRequest(0.0, 3, 2), 5, "m")
     assert isinstance(text_only["messages"][0]["content"], str)
     assert "stream" not in text_only  # answered whole, as the line says
+
+
+def test_seeds_whose_colourings_meet_still_give_other_pixels() -> None:
+    """Seeds 4171 and 7402 draw png's same three colour offsets: the seed written into the
+    first pixels keeps their images apart."""
+    a, b = (part(MediaItem("image", 16, 8), seed)["image_url"]["url"] for seed in (4171, 7402))
+    assert pixels(a)[1 + 16:] == pixels(b)[1 + 16:]  # the same beyond the seed's pixels
+    assert pixels(a) != pixels(b)
 
 
 def test_no_two_requests_share_an_image_nor_a_frame() -> None:
@@ -180,14 +188,7 @@ def run_against_engine(args: list[str], trace_text: str, tmp_path: Path) -> dict
                 "--served-model-name", "m", "--result-dir", str(tmp_path),
                 "--result-filename", "r.json", *args]
         try:
-            parsed = replay.parse_args(full)
-            from epdctl.traces.format import read_trace, scaled
-
-            read = read_trace(parsed.trace, parsed.limit)
-            count = parsed.num_prompts or len(read.requests)
-            requests, times = read.requests[:count], scaled(read, parsed.speed)[:count]
-            done = await replay.run(parsed, requests, times)
-            result = replay.result(parsed, read.source, read.kind, requests, times, done)
+            result, _ = await replay.replay_trace(replay.parse_args(full))
             (tmp_path / "r.json").write_text(json.dumps(result))
         finally:
             await server.close()
