@@ -56,19 +56,14 @@ def check(arms: Sequence[Arm], workload: Workload) -> None:
         bench_check(arms, workload)
 
 
-def command(arm: Arm, workload: Workload) -> list[str]:
-    """`vllm bench serve` (or what $EPDCTL_BENCH_COMMAND puts in its place); for a trace, the
-    replayer in epdctl's own Python (it needs nothing of vLLM's)."""
-    return [sys.executable, *REPLAYER] if workload.kind in KINDS else bench_command(arm)
-
-
 def argv(arm: Arm, workload: Workload, index: int, **where: Any) -> list[str]:
     """The command line of load point `index` against `arm` (epdctl.bench.workload.argv's
     keywords: url, model, served_model_name, result_dir, result_name, dataset, round_,
-    warmup)."""
+    warmup): `vllm bench serve` (or what $EPDCTL_BENCH_COMMAND puts in its place), or for a
+    trace the replayer, in epdctl's own Python (it needs nothing of vLLM's)."""
     if workload.kind in KINDS:
         return replay_argv(workload, index, **where)
-    return bench_argv(command(arm, workload), workload, index, **where)
+    return bench_argv(bench_command(arm), workload, index, **where)
 
 
 def _check_trace(arms: Sequence[Arm], workload: Workload) -> None:
