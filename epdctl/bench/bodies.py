@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from epdctl.bench.audio import AUDIO_SECONDS, wav
-from epdctl.bench.workload import WORDS, png
+from epdctl.bench.images import png
+from epdctl.bench.workload import WORDS
 from epdctl.traces.format import MediaItem, TraceRequest
 
 REQUEST_SEEDS = 1_000_003

@@ -156,6 +156,12 @@ def finish(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     return doc
 
 
+def is_undecided(doc: Mapping[str, Any]) -> bool:
+    """Whether a load point's verdict is still undecided (--until-significant); a shape
+    class's is not waited for: a rare class may never have the requests to decide."""
+    return any(not v["decided"] for v in doc["verdicts"] if not v.get("class"))
+
+
 def correctness(runs: Sequence[ArmRun], prompts: Sequence[Prompt]) -> dict[str, Any]:
     """The greedy subset's answers per arm, against the first arm's."""
     if not runs:

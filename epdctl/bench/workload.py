@@ -8,15 +8,14 @@ import json
 import math
 import random
 import re
-import struct
 import sys
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from epdctl.bench.arms import Arm, image_limit, max_model_len
+from epdctl.bench.images import png
 from epdctl.bench.tracefile import TraceFile
 from epdctl.errors import BenchError
 from epdctl.traces.mix import exact_counts
@@ -362,29 +361,6 @@ def parse_result(path: Path) -> dict[str, float | int | None]:
     if figures["ttft_p50_ms"] is None and isinstance(data.get("median_ttft_ms"), int | float):
         figures["ttft_p50_ms"] = data["median_ttft_ms"]
     return figures
-
-
-def png(width: int, height: int, seed: int, tag: bytes = b"") -> bytes:
-    """A deterministic RGB PNG; every seed gives other bytes (stdlib, fast enough for 1k^2).
-    `tag` overwrites the first pixels' bytes: distinct tags give distinct pixels, where
-    seeds alone draw one of 2**24 colourings (vLLM hashes pixels, not bytes)."""
-    rng = random.Random(seed)
-    offsets = [rng.randrange(256) for _ in range(3)]
-    row = bytes(((x * 7 + offsets[0]) % 256, (x * 3 + offsets[1]) % 256, offsets[2])[c]
-                for x in range(width) for c in range(3))
-    rows = bytearray()
-    for y in range(height):
-        table = bytes((i + y * 5) % 256 for i in range(256))
-        line = row.translate(table)
-        rows += b"\x00" + (tag + line[len(tag):] if y == 0 and tag else line)[:len(line)]
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (struct.pack(">I", len(body)) + kind + body
-                + struct.pack(">I", zlib.crc32(kind + body)))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(bytes(rows), 1)) + chunk(b"IEND", b""))
 
 
 def write_dataset(workload: Workload, index: int, path: Path, round_: int = 0

@@ -140,10 +140,7 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     plan = Plan(count, warmup, max(max_rounds, count) if max_rounds else None)
 
     def undecided(runs: Any) -> bool:
-        doc = report.build(runs, workload, prompts, reference_name)
-        # A shape class's verdicts (a trace's) are not waited for: a rare class may never
-        # have the requests to decide.
-        return any(not v["decided"] for v in doc["verdicts"] if not v.get("class"))
+        return report.is_undecided(report.build(runs, workload, prompts, reference_name))
 
     try:
         runs = run_arms(arms, workload, app.state_root, work_dir, timeout_s=timeout_s,

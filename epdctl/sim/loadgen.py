@@ -33,7 +33,8 @@ import aiohttp
 
 from epdctl.bench import client
 from epdctl.bench.client import Outcome
-from epdctl.bench.workload import WORDS, png
+from epdctl.bench.images import png
+from epdctl.bench.workload import WORDS
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -208,3 +208,9 @@ def test_the_trace_file_summary(tmp_path: Path) -> None:
     assert (trace.kind, trace.requests, trace.duration_s, trace.classes, trace.lengths) == (
         "epdctl", 3, 2.0, (("text", 2), ("image", 1)), (7, 2, 7))
     assert describe(read_trace(path).requests) == "3 requests over 2.0 s: text 2, image 1"
+
+
+def test_until_significant_waits_for_the_points_verdicts_not_the_classes() -> None:
+    point = {"decided": True}
+    assert not report.is_undecided({"verdicts": [point, {"decided": False, "class": "video"}]})
+    assert report.is_undecided({"verdicts": [{"decided": False}, point]})
