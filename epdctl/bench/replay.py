@@ -37,7 +37,7 @@ from epdctl.traces.format import TraceError, TraceRequest, read_trace, scaled
 
 AHEAD = 32
 """Bodies built before their turn (and before the clock starts): enough to ride out a slow
-one, few enough to hold (32 videos of 8 frames of 512x512: ~100 MB)."""
+one, few enough to hold (32 videos of 8 frames of 512x512: ~130 MB)."""
 LATE_S = 0.05
 """A send later than this after its time is reported (bodies built slower than the trace's
 gaps, or a busy machine)."""
@@ -147,8 +147,11 @@ def result(args: argparse.Namespace, source: str, kind: str,
            requests: Sequence[TraceRequest], times: Sequence[float], done: Replayed
            ) -> dict[str, Any]:
     """vLLM's result file, and per request its class and send offsets."""
-    head = {"backend": "epdctl-replay", "model_id": args.model,
-            "num_prompts": len(requests), "request_rate": "trace", "max_concurrency": None}
+    span = times[-1] - times[0] if times else 0.0
+    head = {"backend": "epdctl-replay", "model_id": args.model, "num_prompts": len(requests),
+            # The trace's mean arrival rate at this speed (vLLM's key; `inf`: all at once).
+            "request_rate": (len(times) - 1) / span if span > 0 else "inf",
+            "max_concurrency": None}
     out = client.result(done.outcomes, done.duration, slo=args.slo, head=head,
                         percentiles=[float(p) for p in args.metric_percentiles.split(",")],
                         input_lens=[r.input_length for r in requests])

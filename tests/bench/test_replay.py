@@ -208,6 +208,7 @@ def test_the_result_is_what_bench_reads_with_classes_and_send_offsets(tmp_path: 
         "text": 2, "image2": 1, "video+audio": 1}
     assert data["output_lens"] == [5, 4, 3, 6] and data["input_lens"] == [12, 8, 6, 10]
     assert data["scheduled_offsets"] == [0.0, 0.05, 0.075, 0.2]  # ms / 1000 / speed
+    assert data["request_rate"] == pytest.approx(3 / 0.2)
     sent = data["send_offsets"]
     assert sent == sorted(sent)  # in the trace's order
     # Never early (the clock's resolution aside); how late depends on the machine.
