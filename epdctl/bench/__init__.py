@@ -8,11 +8,14 @@ senders   what sends a workload (`vllm bench serve`, or the replayer for --trace
 replay    `python -m epdctl.bench.replay`: a trace's requests at its times, vLLM's result file
 bodies    the chat request a trace line becomes (prompt words, generated media)
 client    a chat request timed as vLLM times it, and vLLM's result figures (the sim's too)
+images    generated PNGs (bench's datasets, tune's probes, the replayer, the sim's loadgen)
+schedule  the arms' turns and starts, the rounds a verdict needs, the time the rest takes
 runner    brings the arms up in alternating rounds through the run API, runs the workload
 counters  the proxy's /metrics and the store's counters around each load point, device names
 samples   per-request samples of a load point (`--save-detailed`), saved in the report
 stats     estimates over rounds and 95 % bootstrap intervals (pure Python)
-verdicts  better / worse only where a ratio's interval clears the 5 % band (Bonferroni)
+verdicts  better / worse only where a ratio's interval clears the 5 % band (Bonferroni);
+          with one start per arm, undecided
 by_class  a trace's figures, ratios and verdicts per shape class
 report    figures, intervals, ratios to the baseline, verdicts; JSON and markdown
 compare   two saved reports side by side (`bench compare`)

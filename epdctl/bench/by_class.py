@@ -91,9 +91,11 @@ def comparisons(base: Comparison, mine: Mapping[str, Summary], theirs: Mapping[s
             continue
         skipped.append({"point": base.point, "load": base.load, "arm": base.arm,
                         "reference": base.ref, "kind": "none", "decided": False, "n": n,
-                        "level": None, "figures": {}, "class": name,
+                        "reason": "too few requests", "level": None, "figures": {},
                         "text": f"`{base.arm}` vs `{base.ref}`: not judged, {n} request(s) of "
-                        f"this class, {MIN_REQUESTS} needed"})
+                        f"this class, {MIN_REQUESTS} needed", "starts_measured": False,
+                        "starts": {base.arm: s.starts, base.ref: other.starts if other else 0},
+                        "class": name})
     return judged, skipped
 
 

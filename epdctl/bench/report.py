@@ -338,8 +338,9 @@ def method_line(doc: Mapping[str, Any]) -> str:
     return ("Latencies in ms; throughput per second; `±` is half the 95 % bootstrap interval "
             f"(over {over}); `n<N`: a percentile that needs N requests; `n/a`: outputs of one "
             f"chunk have no TPOT. `x ref` is goodput (or req/s without an SLO) over `{ref}`'s. "
-            "A verdict needs a ratio's interval (at 95 % over all the ratios judged) wholly "
-            "outside 5 % of 1.")
+            "A verdict needs a ratio's interval (at 95 % over all the ratios judged, and "
+            "over how far one start of an arm lands from the next) wholly outside 5 % of 1; "
+            "with one start per arm that spread is not measured: figures only, no verdict.")
 
 
 def workload_line(w: Mapping[str, Any]) -> str:

@@ -23,6 +23,7 @@ from epdctl.bench.counters import (
     proxy_delta,
 )
 from epdctl.bench.samples import Round, parse_round
+from epdctl.bench.schedule import clock, round_order, time_left
 from epdctl.bench.senders import KINDS, argv, estimate_s, write_mix
 from epdctl.bench.workload import Workload, parse_result, write_dataset
 from epdctl.errors import BenchError, EpdctlError, StartupError
@@ -73,6 +74,8 @@ class ArmRun:
     starts: int = 0
     """How often it was brought up (an arm that runs last in one round and first in the
     next stays up)."""
+    start_s: list[float] = field(default_factory=list)
+    """How long each start took (ready, the greedy subset the first time, the warm-up)."""
 
 
 @dataclass(frozen=True)
@@ -84,11 +87,6 @@ class Plan:
     """Requests sent after each start, at the first load point's load, not counted."""
     max_rounds: int | None = None
     """--until-significant: add rounds up to this many while `undecided` says so."""
-
-
-def round_order(arms: Sequence[Arm], round_: int) -> list[Arm]:
-    """Arms in alternating order: A B, then B A, then A B ..."""
-    return list(arms) if round_ % 2 == 0 else list(arms)[::-1]
 
 
 def greedy_prompts(limit: int | None, modalities: frozenset[str] = frozenset({"image"}),
@@ -150,14 +148,17 @@ def run_arms(arms: Sequence[Arm], workload: Workload, state_root: Path, work_dir
                                        and undecided(list(runs.values()))):
             datasets.update(_datasets(workload, work_dir, progress, round_))
             order = round_order(arms, round_)
-            progress.line(f"round {round_ + 1}: {' '.join(a.name for a in order)}")
+            progress.line(f"round {round_ + 1}: {' '.join(a.name for a in order)}"
+                          + _to_go(arms, runs, workload, plan, round_))
             for arm in order:
                 if up is None or up.arm is not arm:
                     if up is not None:
                         _stop(up, progress)
                         up = None
+                    began = time.monotonic()
                     up = _start(arm, runs[arm.name], workload, state_root, work_dir, plan,
                                 timeout_s, progress, prompts, arms)
+                    runs[arm.name].start_s.append(time.monotonic() - began)
                 done: list[PointRun] = []
                 for index in range(len(workload.points)):
                     if not wanted(index, done):
@@ -174,6 +175,24 @@ def run_arms(arms: Sequence[Arm], workload: Workload, state_root: Path, work_dir
         if up is not None:
             _stop(up, progress)
     return list(runs.values())
+
+
+def _to_go(arms: Sequence[Arm], runs: Mapping[str, ArmRun], workload: Workload, plan: Plan,
+           round_: int) -> str:
+    """From the second round: about how long the planned rounds left take (an extra round
+    of --until-significant: this one), from the starts and load points already run."""
+    if not round_:
+        return ""
+    until = max(plan.rounds, round_ + 1)
+    point_s = {(name, p.index): p.elapsed_s for name, run in runs.items()
+               for p in sorted(run.points, key=lambda p: p.seq)}
+    left = time_left([a.name for a in arms], until, round_,
+                     {name: run.start_s for name, run in runs.items()}, point_s,
+                     len(workload.points))
+    if left is None:
+        return ""
+    return f" (about {clock(left)} {'to go' if round_ < plan.rounds else 'more'}, as the " \
+        "earlier rounds took)"
 
 
 def _datasets(workload: Workload, work_dir: Path, progress: Progress, round_: int
@@ -307,8 +326,8 @@ def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_d
     start = time.monotonic()
     log_path = runs_dir / f"{name}.log"
     code = _run_bench(args, log_path, _env(arm, state), lambda: progress.tick(
-        f"{what}: {_clock(time.monotonic() - start)} / "
-        f"{'~' + _clock(estimate) if estimate else '?'}"))
+        f"{what}: {clock(time.monotonic() - start)} / "
+        f"{'~' + clock(estimate) if estimate else '?'}"))
     elapsed = time.monotonic() - start
     if code != 0 or not result_path.exists():
         raise BenchError(f"`{_sender(workload)}` against `{arm.name}` exited with code {code}; "
@@ -320,21 +339,13 @@ def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_d
         samples = None
     store = None if ns_dir is None else _store_delta(store_before, ns_dir)
     proxy = proxy_delta(proxy_before, proxy_counters(state))
-    progress.line(f"{what}: done in {_clock(elapsed)}, {figures['completed']} completed, "
+    progress.line(f"{what}: done in {clock(elapsed)}, {figures['completed']} completed, "
                   f"{figures['failed']} failed")
     return PointRun(index, args, figures, proxy, store, elapsed, round_, samples)
 
 
 def _sender(workload: Workload) -> str:
     return "epdctl.bench.replay" if workload.kind in KINDS else "vllm bench serve"
-
-
-def _clock(seconds: float | None) -> str:
-    """Whole seconds, as a stopwatch counts them (59.7 s is `59s`, then `1m00s`)."""
-    if seconds is None:
-        return "?"
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def _env(arm: Arm, state: RunState) -> dict[str, str]:

@@ -14,8 +14,10 @@ start), divided by each arm's starts, and the interval takes Student's t at the
 degrees of freedom of that estimate, so a variance estimated from few starts widens the
 interval as much as it should (two rounds, A B then B A, give A two starts and B one: one
 degree of freedom, and a verdict only for a very large difference; --rounds 4 or
---until-significant for more). With one start per arm nothing measures it: the verdict says
-so."""
+--until-significant for more). With one start per arm nothing measures it, and a verdict
+from the requests alone would be right no more often than chance (two identical topologies
+on one CPU machine came out 2.30x apart on req/s between starts): every comparison is then
+`undecided`, "one start per arm", its ratios shown as figures only."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ SAME = 0.05
 """Ratios within 5 % of 1 count as on par."""
 ERROR = 0.05
 """The chance, over the whole report, of calling a difference that is not there."""
+ONE_START = "one start per arm"
+"""Why a comparison is undecided where nothing measured the spread between starts."""
 LABELS = {"request_goodput": "goodput", "request_throughput": "req/s",
           "ttft_p50_ms": "TTFT p50", "ttft_p90_ms": "TTFT p90", "tpot_mean_ms": "TPOT"}
 LATENCIES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_mean_ms")
@@ -133,8 +137,11 @@ def _fmt(name: str, ratio: float, ci: tuple[float, float]) -> str:
 
 
 def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
-          error: float = ERROR) -> list[dict[str, Any]]:
-    """One verdict per comparison, the error budget shared by every ratio judged."""
+          error: float = ERROR, should_judge_one_start: bool = False) -> list[dict[str, Any]]:
+    """One verdict per comparison, the error budget shared by every ratio judged. A figure
+    whose spread between starts nothing measured (one start per arm) has no side: its
+    interval covers the requests alone. `should_judge_one_start`: give it one anyway, from
+    the requests (tune's choice between candidates run once each; never bench's)."""
     names = judged(has_slo)
     tests = {(i, n) for i, c in enumerate(comparisons) if not c.failed for n in names
              if c.mine.replicates.get(n) and c.theirs.replicates.get(n)}
@@ -161,14 +168,18 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
             side = ("better" if up else "worse") if lo > 1 + same else \
                 ("worse" if up else "better") if hi < 1 - same else \
                 "same" if lo >= 1 - same and hi <= 1 + same else "undecided"
+            if not spread[name].df and not should_judge_one_start:
+                side = "undecided"
             figures[name] = {"ratio": round(est_a / est_b, 4),
                              "ci": [round(lo, 4), round(hi, 4)], "side": side,
                              "between_df": spread[name].df}
         measured = any(spread[k].df for k in figures)
+        is_one_start = bool(figures) and not measured and not c.failed
         kind, text = _text(c, figures, same)
-        if figures and not measured:
-            text += " (one start per arm: how far a start lands from the next is not measured; " \
-                "--rounds 2 or more)"
+        if is_one_start and not should_judge_one_start:
+            kind, text = "undecided", _one_start_text(c, figures)
+        elif is_one_start:
+            text += " (one start per arm: how far a start lands from the next is not measured)"
         elif kind == "undecided":
             df = max(spread[k].df for k in figures)
             text += (f" (starts: `{c.arm}` {c.mine.starts}, `{c.ref}` {c.theirs.starts}, "
@@ -177,10 +188,19 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
         n = min(c.mine.n, c.theirs.n)
         out.append({"point": c.point, "load": c.load, "arm": c.arm, "reference": c.ref,
                     "kind": kind, "decided": kind not in ("undecided", "none"), "n": n,
+                    "reason": ONE_START if is_one_start and kind == "undecided" else None,
                     "level": round(level, 5), "figures": figures, "text": text,
                     "starts_measured": measured,
                     "starts": {c.arm: c.mine.starts, c.ref: c.theirs.starts}})
     return out
+
+
+def _one_start_text(c: Comparison, figures: dict[str, dict[str, Any]]) -> str:
+    """The ratios, said as figures and not as a verdict: one start per arm."""
+    shown = "; ".join(_fmt(k, f["ratio"], tuple(f["ci"])) for k, f in figures.items())  # type: ignore[arg-type]
+    return (f"`{c.arm}` vs `{c.ref}`: undecided ({ONE_START}); figures only, not a verdict: "
+            f"{shown} (intervals over requests within one start; how far one start of an arm "
+            "lands from the next is not measured: --rounds 2 or more for a verdict)")
 
 
 def _text(c: Comparison, figures: dict[str, dict[str, Any]], same: float) -> tuple[Kind, str]:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from rich.status import Status
 
     from epdctl.bench.arms import Arm
+    from epdctl.bench.runner import Plan
     from epdctl.bench.workload import Workload
     from epdctl.launch.state import RunState
 
@@ -126,7 +127,30 @@ def print_results(app: App, doc: Mapping[str, Any]) -> None:
         app.out.print(verdict_line(v), markup=False)
 
 
-def dry_run(app: App, arms: Sequence[Arm], workload: Workload, as_json: bool) -> None:
+def plan_lines(arms: Sequence[Arm], workload: Workload, plan: Plan) -> list[str]:
+    """What the bench will run and whether it can give a verdict (stderr before it starts,
+    and --dry-run)."""
+    from epdctl.bench.schedule import describe
+
+    return describe([a.name for a in arms],
+                    [workload.requests_at(i) for i in range(len(workload.points))],
+                    plan.rounds, plan.warmup, plan.max_rounds)
+
+
+def plan_json(arms: Sequence[Arm], workload: Workload, plan: Plan) -> dict[str, Any]:
+    """--dry-run --json's `plan`: rounds, each arm's starts, load-point runs, a verdict."""
+    from epdctl.bench.schedule import fewest_rounds, starts
+
+    names = [a.name for a in arms]
+    return {"rounds": plan.rounds, "warmup": plan.warmup, "until_significant": plan.max_rounds,
+            "starts": starts(names, plan.rounds),
+            "runs": len(workload.points) * len(names) * plan.rounds,
+            "can_decide": len(names) > 1 and max(plan.rounds, plan.max_rounds or 0)
+            >= fewest_rounds(len(names))}
+
+
+def dry_run(app: App, arms: Sequence[Arm], workload: Workload, plan: Plan,
+            as_json: bool) -> None:
     """Each arm's plan and the workload commands it would get; nothing starts."""
     from epdctl.bench.senders import argv
     from epdctl.launch.run import prepare
@@ -155,8 +179,11 @@ def dry_run(app: App, arms: Sequence[Arm], workload: Workload, as_json: bool) ->
                      "notes": list(arm.notes), "instances": [s.shell() for s in run.plan.specs],
                      "workload": commands})
     if as_json:
-        click.echo(json.dumps({"workload": workload.as_json(), "arms": docs}, indent=2))
+        click.echo(json.dumps({"workload": workload.as_json(), "arms": docs,
+                               "plan": plan_json(arms, workload, plan)}, indent=2))
         return
+    for line in plan_lines(arms, workload, plan):
+        app.out.print(f"# {line}", markup=False)
     for doc in docs:
         notes = "".join(f"\n#   {n}" for n in doc["notes"])
         app.out.print(f"## arm `{doc['arm']}`: {doc['topology']} ({doc['mode']}){notes}",

@@ -95,8 +95,10 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
               help="Goodput SLO: requests within it count (vLLM's --goodput).")
 @click.option("--rounds", type=click.IntRange(1), metavar="R",
               help="Runs of every load point per arm, arms in alternating order (A B, B A, "
-              "...); default 2 on cuda, 1 on cpu. Verdicts weigh how far one start of an "
-              "arm lands from another: 2 rounds decide only large differences, 4 finer ones.")
+              "...). Default 2, the fewest that give a verdict, on cpu and cuda alike: a "
+              "verdict weighs how far one start of an arm lands from the next, which only an "
+              "arm brought up again (A, for B A) measures. 2 rounds decide only large "
+              "differences, 4 finer ones; 1 gives the figures without a verdict.")
 @click.option("--warmup", type=click.IntRange(0), default=3, show_default=True, metavar="N",
               help="Requests sent after each arm starts, at the first load, not counted.")
 @click.option("--until-significant", "max_rounds", type=click.IntRange(1), metavar="MAX",
@@ -118,8 +120,9 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     from epdctl.bench import report
     from epdctl.bench.counters import device_names
     from epdctl.bench.runner import Plan, prompts_for_arms, run_arms
+    from epdctl.bench.schedule import fewest_rounds
     from epdctl.bench.senders import check
-    from epdctl.cli._bench_render import BenchProgress, dry_run, print_results, write_out
+    from epdctl.cli._bench_render import BenchProgress, dry_run, plan_lines
     from epdctl.cli._bench_workload import workload_from
     from epdctl.errors import BenchError
     from epdctl.launch.resolve import vllm_version
@@ -131,13 +134,18 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
         raise BenchError(f"--reference {reference_name}: no such arm (the arms: "
                          f"{', '.join(arm_names)})")
     check(arms, workload)
+    # The fewest rounds that measure the spread between starts (`fewest_rounds` says why),
+    # the same on every device: a machine whose starts land far apart (a CPU one came out
+    # 2.30x apart between two starts of one topology) needs more rounds, never fewer.
+    count = rounds or fewest_rounds(len(arms))
+    plan = Plan(count, warmup, max(max_rounds, count) if max_rounds else None)
     if is_dry_run:
-        return dry_run(app, arms, workload, as_json)
+        return dry_run(app, arms, workload, plan, as_json)
     prompts = prompts_for_arms(arms)
     work_dir = (out_dir or app.state_root / "bench" / arms[0].topology.name).absolute()
     progress = BenchProgress(app)
-    count = rounds or (2 if arms[0].topology.device == "cuda" else 1)
-    plan = Plan(count, warmup, max(max_rounds, count) if max_rounds else None)
+    for line in plan_lines(arms, workload, plan):
+        progress.line(line)
 
     def undecided(runs: Any) -> bool:
         return report.is_undecided(report.build(runs, workload, prompts, reference_name))
@@ -155,6 +163,15 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
                        vllm_version=vllm_version(), devices=device_names(arms),
                        command=["epdctl", *sys.argv[1:]], work_dir=str(work_dir),
                        plan={"rounds": count, "warmup": warmup, "until_significant": max_rounds})
+    _output(app, doc, out_dir, as_json, work_dir)
+
+
+def _output(app: App, doc: dict[str, Any], out_dir: Path | None, as_json: bool,
+            work_dir: Path) -> None:
+    """The report (stdout, --out), failed requests, and the greedy subset's verdict."""
+    from epdctl.cli._bench_render import print_results, write_out
+    from epdctl.errors import BenchError
+
     if out_dir is not None:
         write_out(app, doc, out_dir)
     if as_json:

@@ -23,7 +23,8 @@ def compare(app: App, earlier: Path, later: Path, arms: tuple[str, ...], as_json
 
     Each arm both runs have, at each load point: the figures with their intervals, B over A,
     and a verdict where the difference is significant (a regression shows as `A:arm` better
-    than `B:arm`). The load points must be the same; other workload differences are listed.
+    than `B:arm`). Runs of one round each have one start per arm: figures only, no verdict.
+    The load points must be the same; other workload differences are listed.
     """
     from epdctl.bench.compare import compare as compare_docs
     from epdctl.bench.compare import load

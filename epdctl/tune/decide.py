@@ -119,8 +119,11 @@ def _verdict(a: str, mine: Sequence[Round], b: str, theirs: Sequence[Round]) -> 
     from epdctl.bench.estimates import summarize
     from epdctl.bench.verdicts import Comparison, judge
 
+    # Candidates run once each: a choice must still be made, so the requests alone judge
+    # (bench says `undecided` there).
     (verdict,) = judge([Comparison(0, "knee", a, b, summarize(mine, True, VERDICT_SEED),
-                                   summarize(theirs, True, VERDICT_SEED))], has_slo=True)
+                                   summarize(theirs, True, VERDICT_SEED))], has_slo=True,
+                       should_judge_one_start=True)
     side = (verdict["figures"].get("request_goodput") or {}).get("side")
     return True if side == "better" else False if side == "worse" else None
 
@@ -144,7 +147,8 @@ def best_measured(measured: Sequence[Measured], kinds: Mapping[str, str]) -> Mea
 
 Groups = Sequence[Mapping[str, str]]
 """Ways of grouping candidates whose predictions err alike, the closest first: by the stage
-that binds them, then by kind (name -> group in each)."""
+that binds them, then by the engine that stage runs on (model.engine_of), then by kind
+(name -> group in each)."""
 
 
 def kin(name: str, groups: Groups, among: Sequence[str]) -> list[str]:
@@ -163,7 +167,8 @@ def corrected(predicted: Mapping[str, float], groups: Groups,
     its measurement; any other's is scaled by the geometric mean of measured/predicted over
     its kin among the confirmed ones (`kin`: those bound by the same stage, e.g. `decode-tp1`:
     what the model got wrong there it got wrong for each candidate that stage binds; else
-    those of its kind; else every one); with none confirmed, unchanged. By stage first, not
+    those bound on the same engine, `pd-tp1` for `pd+enc-tp1`; else those of its kind; else
+    every one); with none confirmed, unchanged. By stage first, not
     by kind: one kind held candidates the model overrated (bound by P) beside others it
     underrated (bound by one TP1 decoder), and one ratio for the kind pushed the second
     further down."""

@@ -27,6 +27,15 @@ def stage_key(role: str, tp: int, encodes: bool = False) -> str:
     return f"{short}{'+enc' if encodes else ''}-tp{tp}"
 
 
+def engine_of(stage: str) -> str:
+    """The instance a stage key runs on, whether or not it encodes its own images:
+    `pd+enc-tp1` and `pd-tp1` are one engine doing one job but for the encoder. Where the
+    model errs on a PD instance's steps (prefill chunks beside decodes, say), it errs alike
+    for both: on one machine the aggregated candidates' PD measured 1.5x its prediction,
+    and so did every E|PD candidate's, which a correction by kind left underrated."""
+    return stage.replace("+enc", "")
+
+
 @dataclass(frozen=True)
 class Profile:
     """What profiling measured, per kind of instance, and the hand-off costs."""

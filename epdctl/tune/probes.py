@@ -116,7 +116,7 @@ class Http:
             end = time.perf_counter()
             tokens = (reply.json().get("usage") or {}).get("completion_tokens") or 0
             return Timing(start, end, end, int(tokens))
-        first, tokens = None, 0
+        times: list[float] = []
         async with self.client.stream("POST", url + CHAT, json=body, headers=headers) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
@@ -124,10 +124,9 @@ class Http:
                     continue
                 choices = json.loads(line[6:]).get("choices") or []
                 if choices and (choices[0].get("delta") or {}).get("content"):
-                    tokens += 1
-                    first = first or time.perf_counter()
+                    times.append(time.perf_counter())
         end = time.perf_counter()
-        return Timing(start, first or end, end, tokens)
+        return Timing(start, times[0] if times else end, end, len(times), tuple(times))
 
     async def post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         reply = await self.client.post(url + CHAT, json=body, headers=self.headers.get(url, {}))

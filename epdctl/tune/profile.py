@@ -25,6 +25,10 @@ limit allows (decode_levels)."""
 ROUNDS = 3
 """Requests each worker sends per level (the first round fills the batch)."""
 DECODE_TOKENS = 16
+"""Tokens a decode-profile request generates, and one more for each request of its level
+(decode_tokens)."""
+STEADY_INTERVALS = 4
+"""Token intervals per request a level's steady window must hold to be used."""
 HANDOFF_ROUNDS = 5
 """E-fed requests timed through the proxy, and as many twins timed without it."""
 
@@ -36,6 +40,8 @@ class Timing:
     """The first token's arrival (the end, for an answer that is not streamed)."""
     end: float
     tokens: int
+    token_times: tuple[float, ...] = ()
+    """Each streamed token's arrival, where the Send records them (decode_level's window)."""
 
     @property
     def latency(self) -> float:
@@ -193,11 +199,14 @@ async def profile_decode(send: Send, url: str, body: Body, levels: Sequence[int]
     """A streamed request's time per output token: fixed + per_seq x b + per_seq2 x b^2
     for the batch b it decoded in (context at the workload's lengths folded in; fit_curve).
     Per level, `upstream` first does each request's work before the decoder (all of them),
-    then all are sent at once: their prefills (PD) share the first steps, and every later
-    step only decodes. The batch is measured, not taken to be the level (decoding_beside):
-    sent through E and P one by one, 8 requests reached a D one after another over ~2 s
-    and decoded ~4.6 at a time (fitted against the level, per_seq came out at half the
-    truth), and 64 behind one slow E never decoded more than 7 at a time.
+    then all are sent at once: their prefills (PD) share the first steps, and the time per
+    token is taken over the steps after them, where all of them decode and nothing else
+    runs (steady_decode; the batch is the level). Where the Send records no token times,
+    or that window is too short, it is each answer's mean, and the batch is measured, not
+    taken to be the level (decoding_beside): sent through E and P one by one, 8 requests
+    reached a D one after another over ~2 s and decoded ~4.6 at a time (fitted against the
+    level, per_seq came out at half the truth), and 64 behind one slow E never decoded more
+    than 7 at a time.
 
     With `limit_ms` (the TPOT limit), the levels go on doubling (decode_levels) until the
     batch the limit allows is reached: fitted on batches of ~5 and extrapolated to the ~20
@@ -218,13 +227,46 @@ async def decode_level(send: Send, url: str, body: Body, level: int, start: int,
                         upstream: Upstream | None) -> Series:
     """One level of profile_decode: requests start..start+level-1 readied upstream, then
     sent together; their mean time per token and the mean batch they decoded in."""
-    bodies = [body(start + w) for w in range(level)]
+    bodies = [{**body(start + w), "max_tokens": decode_tokens(level)} for w in range(level)]
     if upstream is not None:
         bodies = list(await asyncio.gather(*(upstream(b) for b in bodies)))
     timings = await asyncio.gather(*(send(url, b) for b in bodies))
+    steady = steady_decode(timings)
+    if steady is not None:
+        return Series((level,), (steady,), (float(len(timings)),))
     timed = [t for t in timings if t.tpot is not None]
     return Series((level,), (mean([t.tpot for t in timed if t.tpot is not None]),),
                   (mean(decoding_beside(timed)) or float(level),))
+
+
+def decode_tokens(level: int) -> int:
+    """Tokens each request of a decode level generates: DECODE_TOKENS, and one more per
+    request of the level, so that once the last one has its first token (the level's
+    prompts prefilled, in chunks of a few hundred tokens where prefill is chunked: a step
+    or so per request) all of them still decode together for a while (steady_decode)."""
+    return DECODE_TOKENS + level
+
+
+def steady_decode(timings: Sequence[Timing]) -> float | None:
+    """The time per token while every one of these requests decodes (from the last first
+    token to the first end): steps that decode them all and prefill nothing. A request's
+    time per token over its whole answer also pays for the steps that prefill the others
+    (in chunks beside its decode where prefill is chunked): on one machine a PD's decode
+    step at 32 in flight came out at 2-3x its cost that way, and every PD candidate's
+    goodput at two thirds of the truth. None where the Send records no token times or the
+    window is shorter than STEADY_INTERVALS per request (the answer's mean is used)."""
+    if not timings or any(len(t.token_times) < 2 for t in timings):
+        return None
+    begin = max(t.token_times[0] for t in timings)
+    end = min(t.token_times[-1] for t in timings)
+    spans = intervals = 0.0
+    for t in timings:
+        inside = [x for x in t.token_times if begin <= x <= end]
+        if len(inside) < STEADY_INTERVALS + 1:
+            return None
+        spans += inside[-1] - inside[0]
+        intervals += len(inside) - 1
+    return spans / intervals
 
 
 def decode_levels(levels: Sequence[int], series: Series | None, limit_ms: float | None,

@@ -27,7 +27,15 @@ from epdctl.tune.decide import (
 )
 from epdctl.tune.des import StepCost
 from epdctl.tune.facts import ModelFacts
-from epdctl.tune.model import Prediction, Profile, RequestShape, Slo, binding_stage, predict
+from epdctl.tune.model import (
+    Prediction,
+    Profile,
+    RequestShape,
+    Slo,
+    binding_stage,
+    engine_of,
+    predict,
+)
 from epdctl.tune.probes import HANDOFF, Measurements, probe_shapes
 from epdctl.tune.profile import mean
 
@@ -232,7 +240,8 @@ def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
     stop, correcting every row's prediction by what was measured before each step."""
     by_name = {r.candidate.name: r for r in rows}
     stages = {r.candidate.name: r.stage or "" for r in rows}
-    groups = (stages, {r.candidate.name: r.candidate.shape.kind for r in rows})
+    groups = (stages, {n: engine_of(s) for n, s in stages.items()},
+              {r.candidate.name: r.candidate.shape.kind for r in rows})
     families = {r.candidate.name: r.candidate.shape.family for r in rows}
     aggregated = [r.candidate.name for r in ranked if r.candidate.shape.kind == "aggregated"]
     must = aggregated[:1]

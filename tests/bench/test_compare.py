@@ -13,8 +13,10 @@ from epdctl.errors import BenchError
 from tests.bench.test_report import doc, figures
 
 
-def saved(tmp_path: Path, name: str, scales: tuple[float, float]) -> dict[str, Any]:
-    d = doc([figures(2.0, 100.0)] * 2, [figures(2.0, 100.0)] * 2, scales=scales)
+def saved(tmp_path: Path, name: str, scales: tuple[float, float],
+          rounds: int = 3) -> dict[str, Any]:
+    """A run of `rounds` rounds, every arm brought up once a round."""
+    d = doc([figures(2.0, 100.0)] * 2, [figures(2.0, 100.0)] * 2, scales=scales, rounds=rounds)
     (tmp_path / name).mkdir()
     (tmp_path / name / "report.json").write_text(json.dumps(d))
     return load(tmp_path / name)  # a directory means its report.json
@@ -39,6 +41,20 @@ def test_a_regression_shows_as_the_earlier_run_being_better(tmp_path: Path) -> N
     b_row = out["results"][1]
     assert b_row["vs"] == "A:epd" and b_row["ratios"]["ttft_p90_ms"] > 1.3
     assert b_row["figures"]["ttft_p50_ms_ci"] is not None
+
+
+def test_two_runs_of_one_start_per_arm_give_figures_and_no_verdict(tmp_path: Path) -> None:
+    """Each run brought each arm up once: nothing measured how far one start lands from the
+    next, so even a 1.6x slowdown is figures only."""
+    out = compare(saved(tmp_path, "a", (1.0, 1.0), rounds=1),
+                  saved(tmp_path, "b", (1.6, 1.0), rounds=1))
+    for v in out["verdicts"]:
+        assert (v["kind"], v["reason"]) == ("undecided", "one start per arm"), v
+        assert "better" not in v["text"] and "worse" not in v["text"]
+    assert out["verdicts"][0]["text"].startswith(
+        "`B:epd` vs `A:epd`: undecided (one start per arm); figures only, not a verdict: "
+        "goodput 0.")
+    assert out["results"][1]["ratios"]["ttft_p90_ms"] > 1.3  # the figures are all there
 
 
 def test_only_the_arms_asked_for(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -91,10 +92,10 @@ def start_ids(rounds: int) -> dict[str, list[int]]:
     return ids
 
 
-def flagged(runs: list[list[Comparison]], same: float) -> float:
+def flagged(runs: list[list[Comparison]], same: float, **how: bool) -> float:
     """The share of runs with a verdict anywhere."""
-    return sum(any(v["kind"] in ("better", "worse", "mixed") for v in judge(c, True, same=same))
-               for c in runs) / len(runs)
+    return sum(any(v["kind"] in ("better", "worse", "mixed")
+                   for v in judge(c, True, same=same, **how)) for c in runs) / len(runs)
 
 
 def test_an_a_a_run_gets_a_verdict_in_at_most_5_percent_of_runs() -> None:
@@ -113,8 +114,10 @@ def test_a_a_runs_whose_starts_differ_get_a_verdict_in_at_most_5_percent(
     verdicts at 5 %; without it the same runs get far more."""
     runs = synthetic_runs(1.0, start_sd=start_sd)
     assert flagged(runs, same=verdicts.SAME) <= 0.05
+    # Without it (and judged from the requests alone, as if nothing were missing):
     monkeypatch.setattr(verdicts, "between", lambda summaries, name: verdicts.Between())
-    assert flagged(runs, same=verdicts.SAME) > 0.2
+    assert flagged(runs, same=verdicts.SAME, should_judge_one_start=True) > 0.2
+    assert flagged(runs, same=verdicts.SAME) == 0.0  # as bench judges it: unmeasured
 
 
 def test_the_between_term_is_zero_where_starts_agree_and_unmeasured_with_one_start() -> None:
@@ -129,7 +132,52 @@ def test_the_between_term_is_zero_where_starts_agree_and_unmeasured_with_one_sta
     single = summarize([make_round(rng, 200)], False, 4, RESAMPLES)
     assert verdicts.between([("a", single)], "tpot_mean_ms") == verdicts.Between()
     (found_v,) = judge([Comparison(0, "c1", "x", "y", single, single)], False)
-    assert "one start per arm" in found_v["text"] and found_v["starts_measured"] is False
+    assert found_v["reason"] == "one start per arm" and found_v["starts_measured"] is False
+
+
+BANNED = re.compile(r"\b(better|worse|on par|mixed)\b")
+"""Verdict words: none of them where nothing measured the spread between starts."""
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.2, 10.0], ids=["equal", "small", "huge"])
+def test_one_start_per_arm_is_undecided_whatever_the_ratio(ratio: float) -> None:
+    """Even a 10x ratio with tight intervals over the requests: one start per arm measures
+    nothing of how far a start lands from the next, so no verdict, only figures."""
+    found = judge([Comparison(0, "c1", "x", "y", fixed(ratio, 0.004), fixed(1.0, 0.004)),
+                   Comparison(1, "c4", "x", "y", fixed(1.0, 0.004), fixed(ratio, 0.004))],
+                  False)
+    for v in found:
+        assert (v["kind"], v["decided"], v["reason"]) == ("undecided", False,
+                                                          "one start per arm"), v
+        assert v["starts"] == {"x": 1, "y": 1} and v["starts_measured"] is False
+        assert {f["side"] for f in v["figures"].values()} == {"undecided"}
+        assert not BANNED.search(v["text"]), v["text"]
+    text = found[0]["text"]
+    assert text.startswith("`x` vs `y`: undecided (one start per arm); figures only, not a "
+                           f"verdict: req/s {ratio:.2f}x [")
+    assert text.endswith("(intervals over requests within one start; how far one start of an "
+                         "arm lands from the next is not measured: --rounds 2 or more for a "
+                         "verdict)")
+    assert found[0]["figures"]["request_throughput"]["ratio"] == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 10.0], ids=["equal", "huge"])
+def test_tune_still_chooses_between_candidates_run_once(ratio: float) -> None:
+    """tune asks for a side from the requests alone (should_judge_one_start)."""
+    (v,) = judge([Comparison(0, "c1", "x", "y", fixed(ratio, 0.004), fixed(1.0, 0.004))],
+                 False, should_judge_one_start=True)
+    # every figure of fixed() is 10x: more req/s, and slower latencies
+    assert v["kind"] == ("mixed" if ratio > 1 else "on_par") and v["reason"] is None
+    assert "(one start per arm: how far a start lands from the next is not measured)" in \
+        v["text"]
+
+
+def test_one_round_a_a_runs_get_no_verdict_however_far_their_starts_land() -> None:
+    """A/A runs of one round whose starts land far apart (sd 0.3 on the log scale): from the
+    requests alone, most of them would get a verdict; none does."""
+    runs = synthetic_runs(1.0, rounds=1, start_sd=0.3)
+    assert flagged(runs, same=verdicts.SAME) == 0.0
+    assert flagged(runs, same=verdicts.SAME, should_judge_one_start=True) > 0.5
 
 
 def test_t_quantiles_are_exact_for_few_degrees_of_freedom() -> None:
@@ -150,37 +198,40 @@ def test_a_real_difference_is_found() -> None:
     assert flagged(synthetic_runs(1.5, rounds=4), same=verdicts.SAME) >= 0.9
 
 
-def fixed(value: float, spread: float, n: int = 100) -> stats.Summary:
-    """A summary whose every figure is `value`, its replicates `spread` (relative) apart."""
+def fixed(value: float, spread: float, n: int = 100, starts: int = 1) -> stats.Summary:
+    """A summary whose every figure is `value`, its replicates `spread` (relative) apart,
+    from `starts` starts that all landed on `value`."""
     rng = random.Random(int(value * 1000 + spread * 1e6))
     reps = [value * rng.lognormvariate(0.0, spread) for _ in range(200)]
     names = stats.FIGURES
     return stats.Summary(n, dict.fromkeys(names, value), dict.fromkeys(names, (value, value)),
-                         {}, dict.fromkeys(names, reps))
+                         {}, dict.fromkeys(names, reps), dict.fromkeys(names, [value] * starts))
 
 
 def test_on_par_is_decided_and_still_no_difference() -> None:
     """Tight intervals within the 5 % band: on par, said as no significant difference."""
-    (found,) = judge([Comparison(0, "c1", "x", "y", fixed(1.01, 0.004), fixed(1.0, 0.004))],
-                     False)
-    assert found["kind"] == "on_par" and found["decided"] is True
+    (found,) = judge([Comparison(0, "c1", "x", "y", fixed(1.01, 0.004, starts=4),
+                                 fixed(1.0, 0.004, starts=4))], False)
+    assert found["kind"] == "on_par" and found["decided"] is True and found["reason"] is None
     assert found["text"].startswith("`x` vs `y`: no significant difference at n=100, on par")
-    assert "req/s 1.01x [1.00, 1.02]" in found["text"]
+    assert "req/s 1.01x [0.99, 1.03]" in found["text"]  # t at 6 degrees of freedom
 
 
 def test_mixed_when_figures_disagree() -> None:
-    mine, theirs = fixed(2.0, 0.01), fixed(1.0, 0.01)  # more req/s, and slower latencies
+    # more req/s, and slower latencies
+    mine, theirs = fixed(2.0, 0.01, starts=4), fixed(1.0, 0.01, starts=4)
     (found,) = judge([Comparison(0, "c1", "x", "y", mine, theirs)], False)
     assert found["kind"] == "mixed"
     assert found["text"].startswith("`x` vs `y`: mixed, better req/s 2.00x [")
     assert ", worse TTFT p50 2.00x [" in found["text"]
 
 
-def summary(seed: int, scale: float, n: int = 300, chunked: bool = True) -> stats.Summary:
-    """Two rounds of one start (the within-start bootstrap alone judges)."""
+def summary(seed: int, scale: float, n: int = 300, chunked: bool = True,
+            starts: int = 4) -> stats.Summary:
+    """`starts` rounds, each from a start of its own that landed where the others did."""
     rng = random.Random(seed)
-    return summarize([make_round(rng, n, scale, chunked) for _ in range(2)], False, seed,
-                     RESAMPLES, starts=[0, 0])
+    return summarize([make_round(rng, n, scale, chunked) for _ in range(starts)], False, seed,
+                     RESAMPLES, starts=list(range(starts)))
 
 
 def test_verdicts_better_worse_undecided() -> None:
@@ -193,8 +244,10 @@ def test_verdicts_better_worse_undecided() -> None:
     assert found[0]["text"].startswith("`epd` is better than `agg` here: req/s 1.")
     assert "TTFT p50 0.7" in found[0]["text"] and "TPOT 0.7" in found[0]["text"]
     assert found[1]["text"].startswith("`agg` is better than `epd` here: req/s 0.")
-    assert found[2]["text"].startswith("`epd` vs `agg`: no significant difference at n=20: "
+    assert found[2]["text"].startswith("`epd` vs `agg`: no significant difference at n=40: "
                                        "req/s ")
+    assert found[2]["text"].endswith("6 degrees of freedom between them; more rounds narrow "
+                                     "it)")
     assert found[2]["decided"] is False and found[0]["decided"] is True
     assert "TTFT p90" not in found[2]["text"]  # 20 requests support no p90: not judged
     lo, hi = found[0]["figures"]["tpot_mean_ms"]["ci"]

@@ -41,25 +41,30 @@ def samples(seed: int, scale: float, n: int = 200, chunked: bool = True) -> Roun
 
 
 def arm_run(index: int, points: list[dict[str, Any]], texts: list[str | None],
-            scales: tuple[float, ...] = (1.0, 1.0), chunked: bool = True) -> ArmRun:
+            scales: tuple[float, ...] = (1.0, 1.0), chunked: bool = True,
+            rounds: int = 1) -> ArmRun:
+    """`rounds` rounds of `points`, each round on a start of its own that landed where the
+    others did."""
     store = {"saves": 5, "hits": 8, "misses": 0, "keys_hit": 5, "repeat_hits": 3,
              "load_failures": 0} if index == 0 else None
     runs = [PointRun(i, ["vllm", "bench", "serve", "--seed", str(i)], f,
                      {"encode_mean_ms": 12.5 if index == 0 else None, "fallbacks": 0,
                       "retries": 0, "requests_ok": 10, "requests_failed": 0}, store, 3.0,
-                     samples=samples(100 * index + i, scales[i], chunked=chunked),
-                     seq=2 * i + index)
-            for i, f in enumerate(points)]
+                     round=r, samples=samples(100 * index + i + 1000 * r, scales[i],
+                                              chunked=chunked),
+                     seq=100 * r + 2 * i + index, start=r)
+            for r in range(rounds) for i, f in enumerate(points)]
     greedy = [ChatAnswer(t, 0.1, None if t is not None else "HTTP 500: boom") for t in texts]
     return ArmRun(ARMS[index], [{"name": "pd-0", "role": "prefill_decode", "gpus": []}],
-                  greedy, runs, starts=1)
+                  greedy, runs, starts=rounds)
 
 
 def doc(epd: list[dict[str, Any]], agg: list[dict[str, Any]],
         texts: tuple[list[str | None], list[str | None]] = (["a", "b"], ["a", "b"]),
-        scales: tuple[float, ...] = (1.0, 1.0), chunked: bool = True) -> dict[str, Any]:
-    runs = [arm_run(0, epd, texts[0], scales, chunked), arm_run(1, agg, texts[1], (1.0, 1.0),
-                                                                chunked)]
+        scales: tuple[float, ...] = (1.0, 1.0), chunked: bool = True,
+        rounds: int = 1) -> dict[str, Any]:
+    runs = [arm_run(0, epd, texts[0], scales, chunked, rounds),
+            arm_run(1, agg, texts[1], (1.0, 1.0), chunked, rounds)]
     return report.build(runs, WORKLOAD, PROMPTS2, vllm_version="0.32.0",
                         epdctl_version="0.1.0", devices=["cpu"])
 
@@ -67,7 +72,7 @@ def doc(epd: list[dict[str, Any]], agg: list[dict[str, Any]],
 def test_ratios_and_verdicts_against_the_baseline() -> None:
     """epd at half the latency at the first point, the same at the second."""
     d = doc([figures(4.0, 100.0), figures(2.0, 300.0)], [figures(2.0, 200.0), figures(2.0, 300.0)],
-            scales=(0.5, 1.0))
+            scales=(0.5, 1.0), rounds=3)
     assert d["reference"] == "aggregated"
     epd0 = d["results"][0]
     assert epd0["arm"] == "epd" and 1.8 < epd0["ratios"]["request_throughput"] < 2.3
@@ -83,7 +88,8 @@ def test_ratios_and_verdicts_against_the_baseline() -> None:
                if name != "request_goodput")
     assert second["kind"] in ("undecided", "on_par")
     assert second["text"].startswith("`epd` vs `aggregated`: no significant difference at "
-                                     "n=200")
+                                     "n=600")
+    assert first["starts"] == {"epd": 3, "aggregated": 3} and first["starts_measured"]
     assert first["level"] == second["level"] == 1 - 0.05 / 8  # 4 figures x 2 points judged
     assert d["ok"] is True and d["failed_requests"] == 0
     assert d["correctness"] == {"reference": "epd", "prompts": [p.name for p in PROMPTS2],
@@ -95,13 +101,38 @@ def test_ratios_and_verdicts_against_the_baseline() -> None:
 
 def test_verdict_when_the_baseline_wins_or_requests_fail() -> None:
     d = doc([figures(1.0, 400.0), figures(2.0, 100.0, failed=3)],
-            [figures(2.0, 200.0), figures(2.0, 100.0)], scales=(2.0, 1.0))
+            [figures(2.0, 200.0), figures(2.0, 100.0)], scales=(2.0, 1.0), rounds=3)
     assert d["verdicts"][0]["kind"] == "worse"
     assert d["verdicts"][0]["text"].startswith(
         "`aggregated` is better than `epd` here: goodput 0.")
-    assert d["verdicts"][1]["text"] == "`epd` vs `aggregated`: not comparable (`epd` 3 failed)"
+    # 3 failed in each of 3 rounds
+    assert d["verdicts"][1]["text"] == "`epd` vs `aggregated`: not comparable (`epd` 9 failed)"
     assert d["verdicts"][1]["decided"] is True
-    assert d["failed_requests"] == 3
+    assert d["failed_requests"] == 9
+
+
+def test_one_start_per_arm_gives_figures_and_no_verdict() -> None:
+    """One round: each arm brought up once. Twice the throughput, half the latency, tight
+    intervals over the requests: still no verdict, in the JSON, the text and report.md."""
+    d = doc([figures(4.0, 100.0), figures(2.0, 300.0, failed=3)],
+            [figures(2.0, 200.0), figures(2.0, 300.0)], scales=(0.5, 1.0))
+    first, second = d["verdicts"]
+    assert (first["kind"], first["decided"], first["reason"]) == (
+        "undecided", False, "one start per arm")
+    assert first["starts"] == {"epd": 1, "aggregated": 1} and not first["starts_measured"]
+    assert {f["side"] for f in first["figures"].values()} == {"undecided"}
+    assert 1.8 < first["figures"]["request_goodput"]["ratio"]  # the figures are still there
+    assert re.fullmatch(r"`epd` vs `aggregated`: undecided \(one start per arm\); figures "
+                        r"only, not a verdict: goodput \d\.\d\dx \[\d\.\d\d, \d\.\d\d\]; "
+                        r"TTFT p50 0\.\d\dx .*; TPOT 0\.\d\dx \[.*\] \(intervals over requests "
+                        r"within one start; how far one start of an arm lands from the next is "
+                        r"not measured: --rounds 2 or more for a verdict\)", first["text"])
+    assert second["kind"] == "not_comparable" and second["reason"] is None
+    text = report.markdown(d)
+    assert f"- 1 req/s: {first['text']}" in text
+    assert "with one start per arm that spread is not measured: figures only, no verdict" in \
+        text
+    assert not re.search(r"\b(better|worse|on par)\b", text.split("## Verdicts")[1])
 
 
 def test_one_chunk_outputs_have_no_tpot() -> None:

@@ -87,6 +87,28 @@ def test_an_arm_that_runs_last_and_first_stays_up(events: list[tuple[Any, ...]],
     assert [p.seq for p in epd.points] == [1, 2, 7, 8, 9, 10]
 
 
+class Lines(Quiet):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_each_round_after_the_first_says_about_how_long_the_rest_takes(
+        events: list[tuple[Any, ...]], tmp_path: Path) -> None:
+    """From the starts and load points already run (each of these points took 1 s; the
+    stand-in starts take no time)."""
+    progress = Lines()
+    run_arms([EPD, AGG], WORKLOAD, tmp_path, tmp_path, timeout_s=1.0, progress=progress,
+             prompts=[], plan=Plan(rounds=3, max_rounds=4), undecided=lambda runs: True)
+    rounds = [line for line in progress.lines if line.startswith("round ")]
+    assert rounds == ["round 1: epd aggregated",
+                      "round 2: aggregated epd (about 8s to go, as the earlier rounds took)",
+                      "round 3: epd aggregated (about 4s to go, as the earlier rounds took)",
+                      "round 4: aggregated epd (about 4s more, as the earlier rounds took)"]
+
+
 def test_until_significant_adds_rounds_while_undecided(events: list[tuple[Any, ...]],
                                                       tmp_path: Path) -> None:
     asked: list[int] = []

@@ -17,7 +17,9 @@ from tests.conftest import is_running
 
 pytestmark = pytest.mark.timeout(120)
 FAKE_BENCH = shlex.join([sys.executable, str(Path(__file__).parents[1] / "fake_bench.py")])
-SMALL = ("--max-concurrency", "1,2", "--num-prompts", "5", "--input-len", "8", "--output-len", "4")
+SMALL = ("--max-concurrency", "1,2", "--num-prompts", "5", "--input-len", "8", "--output-len", "4",
+         "--rounds", "1")
+"""A small workload in one round (the default, 2, is tested in test_bench_verdicts.py)."""
 
 Bench = Callable[..., Result]
 
@@ -75,7 +77,9 @@ def test_both_arms_report_every_figure(bench: Bench, fake_topology: Callable[...
         60.0, 60.0, 61.0, 61.0]
     assert doc["results"][0]["store"] is not None and doc["results"][1]["store"] is None
     assert len(doc["verdicts"]) == 2
-    assert "no significant difference at n=5" in doc["verdicts"][0]["text"]
+    assert doc["verdicts"][0]["text"].startswith(
+        "`epd` vs `aggregated`: undecided (one start per arm); figures only, not a verdict: ")
+    assert doc["plan"] == {"rounds": 1, "warmup": 3, "until_significant": None}
     assert doc["correctness"]["ok"] is True and len(doc["correctness"]["prompts"]) == 6
     assert doc["correctness"]["answers"]["aggregated"][0] == "hello from fake"
     assert doc["vllm_version"] and doc["epdctl_version"] and doc["devices"]
@@ -134,8 +138,8 @@ def test_the_table_on_the_terminal(bench: Bench, fake_topology: Callable[..., Pa
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].split()[:6] == ["load", "arm", "done", "failed", "req/s", "tok/s"]
-    assert "concurrency 1: `epd` vs `aggregated`: no significant difference at n=5" in \
-        result.stdout
+    assert "concurrency 1: `epd` vs `aggregated`: undecided (one start per arm); figures " \
+        "only, not a verdict: req/s 1.00x [" in result.stdout
 
 
 def test_an_arm_that_dies_while_starting(bench: Bench, fake_topology: Callable[..., Path],

@@ -213,7 +213,8 @@ def test_a_mix_is_a_trace_per_rate_through_the_replayer(
     out = tmp_path / "out"
     result = epdctl("bench", str(fake_topology()), "--mix", "text:0.5,image2:0.5",
                     "--num-prompts", "6", "--request-rate", "50,100", "--input-len", "8",
-                    "--output-len", "3", "--image-size", "32x24", "--warmup", "1", "--json",
+                    "--output-len", "3", "--image-size", "32x24", "--warmup", "1",
+                    "--rounds", "1", "--json",
                     "--out", str(out))
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)

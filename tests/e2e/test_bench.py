@@ -1,12 +1,13 @@
 """`epdctl bench topologies/cpu-demo.yaml` for real: two arms in two rounds (both orders),
-repeated images, a warm-up after each start; and an A/A run (the topology against a copy of
-itself). One load point each: every point is a `vllm bench serve` process (~12 s of a core
-to import), and several points are the CLI's own arithmetic, tested on the simulated load
-generator (tests/cli/test_bench.py)."""
+repeated images, a warm-up after each start; and A/A runs (the topology against a copy of
+itself, in two rounds and with bench's defaults). One load point each: every point is a
+`vllm bench serve` process (~12 s of a core to import), and several points are the CLI's
+own arithmetic, tested on the simulated load generator (tests/cli/test_bench.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -165,6 +166,47 @@ def test_bench_a_topology_against_a_copy_of_itself(tiny_llava: Path, tmp_path: P
         assert verdict["starts"] == {"epd": 2, "cpu-demo-copy": 1}, verdict
         assert verdict["starts_measured"] is True
         print("\n" + verdict["text"])
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        shutil.rmtree(copy_cache, ignore_errors=True)
+
+
+def test_bench_with_its_defaults_gives_no_verdict_between_a_topology_and_its_copy(
+        tiny_llava: Path, tmp_path: Path) -> None:
+    """A/A with bench's defaults (2 rounds, 3 warm-up requests): topologies/cpu-demo.yaml
+    against an identical copy (another name, ports and store), one load point of few
+    requests. Between starts, identical topologies on this machine came out 2.30x apart on
+    req/s; from one start per arm (the old cpu default) that read as a verdict. Neither the
+    printed verdicts nor report.json may say better or worse, at any load point."""
+    path, cache_dir = write_topology("cpu-demo", tmp_path, tiny_llava)
+    copy_cache = Path(f"{cache_dir}-copy")
+    (tmp_path / "copy").mkdir()
+    copy = copy_topology(path, tmp_path / "copy", model=tiny_llava, cache_dir=copy_cache,
+                         name="cpu-demo-copy")
+    state_root, out = tmp_path / "state", tmp_path / "out"
+    argv = [sys.executable, "-m", "epdctl", "--state-dir", str(state_root), "bench", str(path),
+            "--baseline", "none", "--arm", str(copy), "--max-concurrency", "2",
+            "--num-prompts", str(NUM_PROMPTS), "--image-size", "56", "--input-len", "32",
+            "--output-len", "8", "--timeout", "400", "--out", str(out)]
+    try:
+        with release_new_semaphores():
+            result = subprocess.run(argv, env=cli_env(), text=True, capture_output=True,
+                                    timeout=840)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        verdicts = [line for line in result.stdout.splitlines() if " vs `epd`" in line]
+        assert len(verdicts) == 1, result.stdout
+        assert not re.search(r"\b(better|worse|mixed)\b", result.stdout), result.stdout
+        assert "plan: 2 rounds, arms in turn: epd cpu-demo-copy | cpu-demo-copy epd; 3 " \
+            "starts (`epd` 2, `cpu-demo-copy` 1)" in result.stderr
+        doc = json.loads((out / "report.json").read_text())
+        assert [(a["name"], a["starts"]) for a in doc["arms"]] == [("epd", 2),
+                                                                   ("cpu-demo-copy", 1)]
+        for v in doc["verdicts"]:
+            assert v["kind"] in ("undecided", "on_par") and v["starts_measured"], v
+        for name in ("cpu-demo", "cpu-demo-copy"):  # every arm is down
+            assert not (state_root / name / "state.json").exists()
+            assert (state_root / name / "last-run.json").exists()
+        print("\n" + "\n".join(verdicts))
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
         shutil.rmtree(copy_cache, ignore_errors=True)

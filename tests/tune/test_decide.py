@@ -147,6 +147,24 @@ def test_predictions_corrected_by_the_measurements() -> None:
     assert corrected(predicted, (kinds,), {"e1": Measured("e1", 0.0)})["e2"] > 0
 
 
+def test_a_stage_unmeasured_borrows_its_engines_ratio_before_its_kinds() -> None:
+    """random-107: the aggregated candidates' PD (pd+enc-tp1) measured 1.5x its prediction,
+    and so did the E|PD candidates' PD (pd-tp1) in the sweep; corrected by kind (no E|PD
+    confirmed: by every ratio, the E|P|D ones' 0.85) they stayed underrated."""
+    from epdctl.tune.model import engine_of
+
+    predicted = {"agg": 10.0, "epd": 30.0, "e-pd": 12.0}
+    stages = {"agg": "pd+enc-tp1", "epd": "decode-tp1", "e-pd": "pd-tp1"}
+    kinds = {"agg": "aggregated", "epd": "epd", "e-pd": "e-pd"}
+    measured = {"agg": Measured("agg", 15.0), "epd": Measured("epd", 25.5)}
+    engines = {n: engine_of(s) for n, s in stages.items()}
+    assert engines == {"agg": "pd-tp1", "epd": "decode-tp1", "e-pd": "pd-tp1"}
+    got = corrected(predicted, (stages, engines, kinds), measured)
+    assert got["e-pd"] == pytest.approx(12.0 * 1.5)
+    without = corrected(predicted, (stages, kinds), measured)
+    assert without["e-pd"] == pytest.approx(12.0 * (1.5 * 0.85) ** 0.5)
+
+
 def test_the_corrected_predictions_order_what_is_confirmed_next() -> None:
     pred = [("x", 10.0), ("x2", 9.5), ("y", 9.0), ("agg", 5.0)]
     kinds = {"x": "e-pd", "x2": "e-pd", "y": "epd", "agg": "aggregated"}

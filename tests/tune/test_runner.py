@@ -166,8 +166,11 @@ def test_plot_of_a_report(tmp_path: Path) -> None:
 def test_the_measurements_correct_the_other_predictions(tmp_path: Path) -> None:
     """The stand-in machine does 1.2x the prediction for E|PD, 0.9x for the others: each
     unconfirmed candidate's prediction is scaled by what the confirmed ones bound by the
-    same stage measured (else by those of its kind, else by every confirmed one's)."""
+    same stage measured (else on the same engine, else by those of its kind, else by every
+    confirmed one's)."""
     import math
+
+    from epdctl.tune.model import engine_of
 
     report = tune(settings(tmp_path), profiler_calls([]), confirm, Log(), Clock())
     rows = {r["name"]: r for r in report["candidates"]}
@@ -184,10 +187,12 @@ def test_the_measurements_correct_the_other_predictions(tmp_path: Path) -> None:
             assert r["corrected_goodput"] == pytest.approx(r["measured_goodput"], abs=1e-3)
         elif r["predicted_goodput"]:
             same = [c for c in confirmed if c["binding_stage"] == r["binding_stage"]]
+            engine = [c for c in confirmed
+                      if engine_of(c["binding_stage"]) == engine_of(r["binding_stage"])]
             kind = [c for c in confirmed if c["kind"] == r["kind"]]
             by_stage += bool(same)
             assert r["corrected_goodput"] == pytest.approx(
-                r["predicted_goodput"] * gmean(same or kind or confirmed), rel=1e-3)
+                r["predicted_goodput"] * gmean(same or engine or kind or confirmed), rel=1e-3)
     assert by_stage  # some were corrected by their own stage's ratio
 
 
