@@ -1,5 +1,6 @@
 """`epdctl logs`: every instance's log in time order with true times; -f follows, --request
-follows one request across the proxy and the instances."""
+follows one request across the proxy and the instances, --export-trace writes what the proxy
+served as a trace."""
 
 from __future__ import annotations
 
@@ -55,18 +56,28 @@ def _pattern(ctx: click.Context, param: click.Parameter, value: str | None) -> A
                    "(its x-request-id or response id).")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per line: time, instance, text, time_source.")
+@click.option("--export-trace", "trace_path", metavar="FILE",
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the requests the proxy served (running or stopped) to FILE as a "
+                   "trace instead (JSON lines, docs/traces.md): arrival, prompt text tokens "
+                   "(estimated), media sizes, output tokens, stream; failed requests left "
+                   "out. Takes --since (requests of the last AGE), --json and --name.")
 @click.option("--name", "name", metavar="NAME|FILE",
               help="Topology name or file; default: the only one under the state dir.")
 @pass_app
 def logs(app: App, instances: tuple[str, ...], should_follow: bool, lines: int | None,
          since_s: float | None, pattern: re.Pattern[str] | None, show_probes: bool,
-         request_id: str | None, as_json: bool, name: str | None) -> None:
+         request_id: str | None, as_json: bool, trace_path: Path | None,
+         name: str | None) -> None:
     """Print instance logs in time order, as `time instance | line`"""
     from epdctl.launch.state import find_state_dir
     from epdctl.logs import JsonPrinter, Printer, follow, matcher, show, wants_colour
 
     if request_id is not None and should_follow:
         raise click.UsageError("--request and --follow do not go together")
+    if trace_path is not None:
+        _export(app, name, trace_path, since_s, as_json)
+        return
     sdir = find_state_dir(app.state_root, name, past_runs=True)
     state, order = _instances(sdir)
     shown = list(instances) or order
@@ -86,6 +97,30 @@ def logs(app: App, instances: tuple[str, ...], should_follow: bool, lines: int |
             follow(printer, files, matcher(show_probes=show_probes, pattern=pattern))
         except KeyboardInterrupt:
             pass
+
+
+def _export(app: App, name: str | None, path: Path, since_s: float | None,
+            as_json: bool) -> None:
+    """--export-trace: the proxy's log as a trace, and one line (or object) saying so."""
+    import json
+
+    from epdctl.launch.plan import PROXY_NAME
+    from epdctl.launch.state import find_state_dir
+    from epdctl.logs.export import export
+
+    ctx = click.get_current_context()
+    taken = {"trace_path", "since_s", "as_json", "name"}
+    other = [p for p in ctx.command.params if p.name not in taken
+             and ctx.get_parameter_source(p.name or "") is not click.core.ParameterSource.DEFAULT]
+    if other:
+        flag = other[0].human_readable_name if isinstance(other[0], click.Argument) \
+            else max(other[0].opts, key=len)
+        raise click.UsageError(f"--export-trace does not take {flag}: it reads the proxy's "
+                               "log whole (--since AGE narrows it)")
+    sdir = find_state_dir(app.state_root, name, past_runs=True)
+    since = None if since_s is None else time.time() - since_s
+    exported = export(sdir.logs_dir / f"{PROXY_NAME}.log", path, since)
+    click.echo(json.dumps(exported.as_json(path)) if as_json else exported.summary(path))
 
 
 def _instances(sdir: StateDir) -> tuple[RunState | None, list[str]]:

@@ -6,6 +6,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from epdctl.proxy.request.traffic import Recorded
 
 log = logging.getLogger("epdctl.proxy")
 
@@ -17,6 +21,8 @@ class Trace:
     rid: str
     route: str
     start: float = field(default_factory=time.perf_counter)
+    arrival: float = field(default_factory=time.time)
+    """When it came (epoch s): `at=` on the line, whose own stamp is when it ended."""
     stages_ms: dict[str, float] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
     items: int = 0
@@ -29,6 +35,8 @@ class Trace:
     """A broken stream raises to replay.py, which resumes it, instead of ending it."""
     encoding: asyncio.Task[None] | None = None
     """The E stage still running beside PD (overlap): the line waits for its timings."""
+    recorded: Recorded | None = None
+    """A completion request's shape for a trace (its text, media, stream, output tokens)."""
 
     def timed(self, stage: str, since: float) -> float:
         """Record a stage's time since `since` (stages may repeat on retry: times add up)."""
@@ -37,7 +45,8 @@ class Trace:
         return elapsed_s
 
     def line(self, status: int | str, total_ms: float | None = None) -> str:
-        """rid, route, status, then per-stage timings; `epdctl logs proxy | grep RID`."""
+        """rid, route, status, then per-stage timings, then its arrival and (a completion
+        request's) shape for a trace; `epdctl logs proxy | grep RID`."""
         if total_ms is None:
             total_ms = (time.perf_counter() - self.start) * 1000
         parts = [f"rid={self.rid}", f"route={self.route}", f"status={status}",
@@ -51,4 +60,11 @@ class Trace:
         if self.fallbacks:
             parts.append("fallbacks=" + ",".join(self.fallbacks))
         parts += self.notes
+        parts.append(f"at={self.arrival:.3f}")
+        if self.recorded is not None:
+            try:
+                parts += self.recorded.fields()
+            except Exception:  # a body no test foresaw: the line itself is never lost
+                log.exception("rid=%s its shape for a trace could not be read", self.rid)
+                parts.append("shape=unread")
         return " ".join(parts)

@@ -30,7 +30,7 @@ AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
 class TraceError(EpdctlError):
-    """A trace that cannot be read (with the line it failed on), or one that cannot be sent."""
+    """A trace that cannot be read (with the line it failed on), written, or sent."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,32 @@ class MediaItem:
         if self.type == "audio" and self.seconds is not None:
             size = f"{self.seconds:g}s"
         return f"{self.type}:{size}" if size else self.type
+
+    @classmethod
+    def of_label(cls, label: str) -> MediaItem:
+        """The item a `label` names (the proxy's log line writes them); ValueError for one
+        that is not a label."""
+        kind, colon, size = label.partition(":")
+        if kind not in MEDIA_TYPES:
+            raise ValueError(f"not a media label: {label!r}")
+        if not colon:
+            return cls(kind)
+        if kind == "audio" and size.endswith("s"):
+            try:
+                seconds = float(size[:-1])
+            except ValueError:
+                seconds = math.nan
+            if math.isfinite(seconds) and seconds > 0:
+                return cls(kind, seconds=seconds)
+        elif kind == "video" and size.endswith("f") and size[:-1].isdigit():
+            return cls(kind, frames=int(size[:-1]) or None)
+        elif all(n.isdigit() and int(n) > 0 for n in size.split("x")):
+            numbers = [int(n) for n in size.split("x")]
+            if len(numbers) == 2:
+                return cls(kind, numbers[0], numbers[1])
+            if len(numbers) == 3 and kind == "video":
+                return cls(kind, numbers[1], numbers[2], numbers[0])
+        raise ValueError(f"not a media label: {label!r}")
 
 
 @dataclass(frozen=True)

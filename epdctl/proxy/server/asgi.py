@@ -11,6 +11,7 @@ from typing import Any
 from epdctl.proxy.answer import Answer
 from epdctl.proxy.deadlines import Entry, wheel
 from epdctl.proxy.errors import JSON_TYPE, ProxyError
+from epdctl.proxy.request.traffic import Recorded
 
 Scope = MutableMapping[str, Any]
 
@@ -92,19 +93,32 @@ async def send_answer(send: Any, answer: Answer, rid: str) -> None:
     await send({"type": "http.response.body", "body": answer.body})
 
 
-async def send_stream(send: Any, answer: Answer, rid: str, watcher: Disconnect) -> None:
-    """Relay a committed stream; the watcher's cancel stops it if the client leaves."""
+async def send_stream(send: Any, answer: Answer, rid: str, watcher: Disconnect,
+                      recorded: Recorded | None = None) -> None:
+    """Relay a committed stream; the watcher's cancel stops it if the client leaves.
+
+    What a trace records of it is counted on the way, nothing parsed: its events (a blank
+    line ends each; never inside one, where JSON escapes every newline) and its last two
+    chunks (request/traffic.py reads their usage once the line is written)."""
     assert answer.stream is not None
     stream = answer.stream
+    events = 0
+    prev = last = b""
     try:
         await send({"type": "http.response.start", "status": answer.status,
                     "headers": _headers(answer, rid)})
         async for chunk in stream:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            events += chunk.count(b"\n\n")
+            if last.endswith(b"\n") and chunk.startswith(b"\n"):  # a blank line cut in two
+                events += 1
+            prev, last = last, chunk
         watcher.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
+    if recorded is not None:
+        recorded.events, recorded.tail = events, prev + last
 
 
 def presents(scope: Scope, keys: list[bytes]) -> bool:

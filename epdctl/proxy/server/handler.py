@@ -18,6 +18,7 @@ from epdctl.proxy.metrics import Metrics, outcome_of
 from epdctl.proxy.request.inflight import Request
 from epdctl.proxy.request.media import MediaTooLarge, assign_uuids, scope_client_uuids
 from epdctl.proxy.request.parse import CONTENT_FIELDS, ORCHESTRATED, parse_body, request_id
+from epdctl.proxy.request.traffic import Recorded
 from epdctl.proxy.server.asgi import (
     Disconnect,
     Scope,
@@ -179,9 +180,11 @@ class ProxyHandler:
             if answer.stream is None:
                 watcher.stop()
                 await send_answer(send, answer, trace.rid)
+                if trace.recorded is not None:
+                    trace.recorded.answer = answer.body  # its usage, read for the line
                 self._finish(trace, answer.status)
                 return
-            await send_stream(send, answer, trace.rid, watcher)
+            await send_stream(send, answer, trace.rid, watcher, trace.recorded)
             self._finish(trace, answer.status)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -219,9 +222,12 @@ class ProxyHandler:
             is_scoped = scoped is not body
             body = scoped
         req = Request(route, raw, body, trace, attempts)
+        trace.recorded = Recorded(route, body, req.is_stream)
         if self.config.is_split or is_scoped:
             req.for_pd(body)  # the client's bytes no longer say it
         items = self.media.items(route, body)
+        if self.encoder is not None:  # the media found once (with fetched URLs' bytes, later)
+            trace.recorded.items = items
         if items:
             trace.items = len(items)
             try:

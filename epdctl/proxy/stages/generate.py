@@ -150,10 +150,14 @@ class Generator:
                                           content_type=reply.content_type, body=data)
                     return Answer(200, reply.content_type, data)
                 chunks = reply.chunks().__aiter__()
-                head, in_stream = await _peek(chunks)
+                head, in_stream, judged = await _peek(chunks)
             if in_stream is not None and may_fall_back:  # else vLLM's own stream, as it is
                 raise StageFailed(stage, inst, status=error_status(in_stream),
                                   body=jsonio.dumps(in_stream))
+            if trace.recorded is not None and trace.recorded.waits is None:
+                # The events before its content (vLLM's role event), for the trace's count
+                # of output tokens: the peek judged them already.
+                trace.recorded.waits = head.count(b"\n\n", 0, judged)
             stream = relay(head, chunks, reply, inst, trace, stage,
                            self.config.stream_idle_timeout_s)
             is_handed_off = True  # the relay closes the reply and releases the instance
@@ -196,15 +200,16 @@ async def relay(head: bytes, chunks: AsyncIterator[bytes], reply: Reply, inst: I
         await reply.close()
 
 
-async def _peek(chunks: AsyncIterator[bytes]) -> tuple[bytes, dict[str, Any] | None]:
-    """Read until the first content chunk, [DONE], an error event or the end of the stream."""
+async def _peek(chunks: AsyncIterator[bytes]) -> tuple[bytes, dict[str, Any] | None, int]:
+    """Read until the first content chunk, [DONE], an error event or the end of the stream;
+    with where the events judged "wait" (before any content) end."""
     buf = b""
     judged = 0  # the events before it were judged "wait": never looked at again
     async for chunk in chunks:
         buf += chunk
         kind, error, judged = verdict(buf, judged)
         if kind == "error":
-            return buf, error
+            return buf, error, judged
         if kind == "commit":
-            return buf, None
-    return buf, None
+            return buf, None, judged
+    return buf, None, judged
