@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from epdctl.bench import by_class
 from epdctl.bench.arms import Arm
 from epdctl.bench.estimates import FIGURES, Summary, summarize
 from epdctl.bench.runner import ArmRun, PointRun
@@ -108,8 +109,13 @@ def finish(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     `bench` and `bench compare`)."""
     has_slo = bool(doc["workload"]["slo_ms"])
     summaries: dict[tuple[str, int], Summary | None] = {}
+    classes: dict[tuple[str, int], dict[str, Summary]] = {}
     for number, r in enumerate(doc["results"]):
         summary = summaries[(r["arm"], r["point"])] = summary_of(r, has_slo, seed + number)
+        per_class = classes[(r["arm"], r["point"])] = by_class.summaries(
+            r, has_slo, seed + by_class.SEEDS * (number + 1))
+        if per_class:
+            r["classes"] = by_class.rows(per_class)
         figures = _pooled(r["rounds"])
         r["unsupported"] = {}
         if summary is not None:
@@ -122,11 +128,15 @@ def finish(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
                 figures["itl_p99_ms"] = figures["tpot_p90_ms"] = None
         r["figures"], r["n"] = figures, summary.n if summary else figures.get("completed")
     by_key = {(r["arm"], r["point"]): r for r in doc["results"]}
-    comparisons = []
+    comparisons: list[Comparison] = []
+    shaped: list[Comparison] = []  # per class
+    unjudged: list[dict[str, Any]] = []  # classes of too few requests
     for r in doc["results"]:
         ref = r.get("vs", doc.get("reference"))
         theirs = by_key.get((ref, r["point"])) if ref and r["arm"] != ref else None
         r["ratios"] = ratios(r["figures"], theirs["figures"]) if theirs else None
+        if theirs is not None:
+            by_class.add_ratios(r, theirs)
         mine_s, theirs_s = summaries[(r["arm"], r["point"])], \
             summaries.get((ref, r["point"])) if theirs else None
         if theirs is not None and mine_s is not None and theirs_s is not None:
@@ -134,9 +144,22 @@ def finish(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
                       if f["figures"].get("failed")}
             comparisons.append(Comparison(r["point"], r["load"], r["arm"], str(ref), mine_s,
                                           theirs_s, failed))
-    doc["verdicts"] = judge(comparisons, has_slo)
+            judged, skipped = by_class.comparisons(
+                comparisons[-1], classes[(r["arm"], r["point"])], classes[(str(ref), r["point"])])
+            shaped += judged
+            unjudged += skipped
+    # The classes' ratios share the rows' error budget: one judge over all of them.
+    doc["verdicts"] = judge(comparisons + shaped, has_slo)
+    by_class.label(doc["verdicts"], comparisons + shaped)
+    doc["verdicts"] += unjudged
     doc["failed_requests"] = sum(int(r["figures"].get("failed") or 0) for r in doc["results"])
     return doc
+
+
+def is_undecided(doc: Mapping[str, Any]) -> bool:
+    """Whether a load point's verdict is still undecided (--until-significant); a shape
+    class's is not waited for: a rare class may never have the requests to decide."""
+    return any(not v["decided"] for v in doc["verdicts"] if not v.get("class"))
 
 
 def correctness(runs: Sequence[ArmRun], prompts: Sequence[Prompt]) -> dict[str, Any]:
@@ -225,6 +248,39 @@ def table_rows(doc: Mapping[str, Any]) -> list[list[str]]:
     return rows
 
 
+# A shape class's columns: the figures its requests alone support.
+CLASS_COLUMNS = {"request_throughput": ("req/s", "{:.2f}"),
+                 "request_goodput": ("goodput", "{:.2f}"),
+                 "ttft_p50_ms": ("TTFT p50", "{:.0f}"), "ttft_p90_ms": ("TTFT p90", "{:.0f}"),
+                 "tpot_mean_ms": ("TPOT", "{:.1f}")}
+
+
+def class_rows(doc: Mapping[str, Any]) -> list[list[str]]:
+    """A trace's per shape class table: header, then per load point, class and arm (only
+    the header: no classes)."""
+    rows = [["load", "class", "arm", "requests", *(h for h, _ in CLASS_COLUMNS.values()),
+             "x ref"]]
+    key = "request_goodput" if doc["workload"]["slo_ms"] else "request_throughput"
+    for point in sorted({r["point"] for r in doc["results"]}):
+        results = [r for r in doc["results"] if r["point"] == point and r.get("classes")]
+        names = list(dict.fromkeys(c["class"] for r in results for c in r["classes"]))
+        for name in names:
+            for r in results:
+                c = next((c for c in r["classes"] if c["class"] == name), None)
+                if c is not None:
+                    rows.append([r["load"], name, r["arm"], str(c["n"]),
+                                 *(figure_cell(c, k, fmt) for k, (_, fmt) in
+                                   CLASS_COLUMNS.items()),
+                                 cell((c["ratios"] or {}).get(key), "{:.2f}x")])
+    return rows
+
+
+def verdict_line(v: Mapping[str, Any]) -> str:
+    """`load: text`, or `load, class NAME: text` for a shape class's."""
+    where = f"{v['load']}, class {v['class']}" if v.get("class") else v["load"]
+    return f"{where}: {v['text']}"
+
+
 def markdown(doc: Mapping[str, Any]) -> str:
     """report.md: the table, the verdicts, the correctness check and what makes it repeatable."""
     rows = table_rows(doc)
@@ -239,9 +295,16 @@ def markdown(doc: Mapping[str, Any]) -> str:
     lines.append("| " + " | ".join(rows[0]) + " |")
     lines.append("|" + "|".join("---" for _ in rows[0]) + "|")
     lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    shaped = class_rows(doc)
+    if len(shaped) > 1:
+        lines += ["", "## Per shape class", "", "Each class's requests alone; req/s and "
+                  "goodput are theirs per second of the run.", ""]
+        lines.append("| " + " | ".join(shaped[0]) + " |")
+        lines.append("|" + "|".join("---" for _ in shaped[0]) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in shaped[1:]]
     if doc["verdicts"]:
         lines += ["", "## Verdicts", ""]
-        lines += [f"- {v['load']}: {v['text']}" for v in doc["verdicts"]]
+        lines += [f"- {verdict_line(v)}" for v in doc["verdicts"]]
     check = doc.get("correctness") or {"ok": False, "prompts": [], "mismatches": []}
     lines += ["", "## Greedy subset", ""] if check["prompts"] else []
     if check["ok"]:
@@ -282,14 +345,32 @@ def method_line(doc: Mapping[str, Any]) -> str:
 
 def workload_line(w: Mapping[str, Any]) -> str:
     """A workload's JSON (Workload.as_json) in one line (bench's and tune's reports)."""
+    slo = ", ".join(f"{k} {v:g} ms" for k, v in w["slo_ms"].items()) or "none"
+    if w.get("trace") or w.get("mix"):
+        return f"{_trace_line(w)}, seed {w['seed']}, SLO {slo}"
     what = w["dataset"] or (f"{w['kind']}, {w['images']} image(s) of "
                             f"{w['image_size'][0]}x{w['image_size'][1]}")
     if not w["dataset"] and w.get("audios"):
         what = f"{w['kind']}, {w['audios']} clip(s) of generated audio"
-    slo = ", ".join(f"{k} {v:g} ms" for k, v in w["slo_ms"].items()) or "none"
     count = f"{w['num_prompts']} requests per point"
     if w.get("point_seconds"):  # a report of an older epdctl has none
         count = (f"{w['num_prompts']} requests per point or a rate's {w['point_seconds']:g} s "
                  "of them if more")
     return (f"{what}, {count}, input {w['input_len']} / output {w['output_len']} tokens, "
             f"repeat {w['repeat']:g}, seed {w['seed']}, SLO {slo}")
+
+
+def _trace_line(w: Mapping[str, Any]) -> str:
+    """`trace FILE (epdctl, 300 requests over 60 s: text 120, image 180), each at speed 1x,
+    speed 2x`, or `mix text:0.4, image:0.6 (...)`."""
+    speeds = ", ".join(p["label"] for p in w["points"])
+    if w.get("trace"):
+        t = w["trace"]
+        classes = ", ".join(f"{name} {n}" for name, n in t["classes"].items())
+        return (f"trace {t['file']} ({t['kind']}, {t['requests']} requests over "
+                f"{t['duration_s']:g} s: {classes}), each at {speeds}")
+    shares = ", ".join(f"{name}:{share:.3g}" for name, share in w["mix"].items())
+    width, height = w["image_size"]
+    return (f"mix {shares} (input {w['input_len']} / output {w['output_len']} tokens, images "
+            f"{width}x{height}, videos of {w['video_frames']} frames; streamed), "
+            f"{w['num_prompts']} requests per point, Poisson at {speeds}")

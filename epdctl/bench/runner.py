@@ -24,10 +24,12 @@ from epdctl.bench.counters import (
 )
 from epdctl.bench.samples import Round, parse_round
 from epdctl.bench.schedule import clock, round_order, time_left
-from epdctl.bench.workload import Workload, argv, bench_command, parse_result, write_dataset
+from epdctl.bench.senders import KINDS, argv, estimate_s, write_mix
+from epdctl.bench.workload import Workload, parse_result, write_dataset
 from epdctl.errors import BenchError, EpdctlError, StartupError
 from epdctl.host.interrupts import unwinding
 from epdctl.launch.state import RunState
+from epdctl.traces.classes import describe
 from epdctl.verifier.prompts import PROMPTS, ChatAnswer, Prompt, chat_body, send_chat
 
 POLL_S = 1.0
@@ -195,14 +197,17 @@ def _to_go(arms: Sequence[Arm], runs: Mapping[str, ArmRun], workload: Workload, 
 
 def _datasets(workload: Workload, work_dir: Path, progress: Progress, round_: int
               ) -> dict[tuple[int, int], Path]:
-    if workload.kind not in ("generated", "audio"):
+    if workload.kind not in ("generated", "audio", "mix"):
         return {}
     paths = {}
     for index in range(len(workload.points)):
         suffix = f"-r{round_ + 1}" if round_ else ""
         path = work_dir / "datasets" / f"point-{index}{suffix}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        if workload.kind == "audio":
+        if workload.kind == "mix":
+            trace = write_mix(workload, index, path, round_)
+            progress.line(f"trace {path}: {describe(trace.requests)}")
+        elif workload.kind == "audio":
             counts = write_audio_dataset(workload, workload.seed_at(index, round_),
                                          workload.requests_at(index), path)
             progress.line(f"dataset {path}: {counts['audios']} audio clips")
@@ -268,19 +273,22 @@ def _warm_up(arm: Arm, workload: Workload, state: RunState, work_dir: Path, coun
     runs_dir.mkdir(parents=True, exist_ok=True)
     name = f"{arm.name}-warmup-{start}"
     dataset = None
-    if workload.kind == "audio":  # clips of its own, as the warm-up's images are
+    if workload.kind in ("audio", "mix"):  # of its own, as the warm-up's images are
         dataset = work_dir / "datasets" / f"{name}.jsonl"
         dataset.parent.mkdir(parents=True, exist_ok=True)
-        write_audio_dataset(workload, workload.warmup_seed(), count, dataset)
-    args = argv(bench_command(arm), workload, 0, url=state.proxy.url, model=arm.topology.model,
-                served_model_name=state.model_name, result_dir=runs_dir,
+        if workload.kind == "mix":
+            write_mix(workload, 0, dataset, count=count, seed=workload.warmup_seed())
+        else:
+            write_audio_dataset(workload, workload.warmup_seed(), count, dataset)
+    args = argv(arm, workload, 0, url=state.proxy.url,
+                model=arm.topology.model, served_model_name=state.model_name, result_dir=runs_dir,
                 result_name=f"{name}.json", dataset=dataset, warmup=count)
     progress.line(f"  {arm.name}: warm-up, {count} requests (not counted)")
     log_path = runs_dir / f"{name}.log"
     code = _run_bench(args, log_path, _env(arm, state), lambda: None)
     if code != 0:
-        raise BenchError(f"`vllm bench serve` against `{arm.name}` exited with code {code} "
-                         "in the warm-up; "
+        raise BenchError(f"`{_sender(workload)}` against `{arm.name}` exited with code "
+                         f"{code} in the warm-up; "
                          f"last lines of {log_path}:\n{_tail(log_path)}")
 
 
@@ -290,6 +298,8 @@ def _estimate(workload: Workload, index: int, earlier: Sequence[ArmRun]) -> floa
     done = [p for run in earlier for p in run.points if p.index == index]
     if done:
         return sorted(done, key=lambda p: p.seq)[-1].elapsed_s
+    if workload.trace is not None:
+        return estimate_s(workload, index)
     rate = workload.points[index].request_rate
     return None if math.isinf(rate) else workload.requests_at(index) / rate
 
@@ -303,7 +313,7 @@ def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_d
     name = f"{arm.name}-{index}" + (f"-r{round_ + 1}" if round_ else "")
     result_path = runs_dir / f"{name}.json"
     result_path.unlink(missing_ok=True)
-    args = argv(bench_command(arm), workload, index, url=state.proxy.url,
+    args = argv(arm, workload, index, url=state.proxy.url,
                 model=arm.topology.model, served_model_name=state.model_name,
                 result_dir=runs_dir, result_name=result_path.name,
                 dataset=datasets.get((round_, index)), round_=round_)
@@ -320,7 +330,7 @@ def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_d
         f"{'~' + clock(estimate) if estimate else '?'}"))
     elapsed = time.monotonic() - start
     if code != 0 or not result_path.exists():
-        raise BenchError(f"`vllm bench serve` against `{arm.name}` exited with code {code}; "
+        raise BenchError(f"`{_sender(workload)}` against `{arm.name}` exited with code {code}; "
                          f"last lines of {log_path}:\n{_tail(log_path)}")
     figures = parse_result(result_path)
     try:
@@ -332,6 +342,10 @@ def _run_point(arm: Arm, workload: Workload, index: int, state: RunState, work_d
     progress.line(f"{what}: done in {clock(elapsed)}, {figures['completed']} completed, "
                   f"{figures['failed']} failed")
     return PointRun(index, args, figures, proxy, store, elapsed, round_, samples)
+
+
+def _sender(workload: Workload) -> str:
+    return "epdctl.bench.replay" if workload.kind in KINDS else "vllm bench serve"
 
 
 def _env(arm: Arm, state: RunState) -> dict[str, str]:

@@ -58,6 +58,8 @@ class Comparison:
     theirs: Summary
     failed: dict[str, int] = field(default_factory=dict)
     """Arm -> failed requests (either failing makes it not comparable)."""
+    shape: str = ""
+    """A trace's shape class: the two arms' requests of that class alone ("": all)."""
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,11 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
     tests = {(i, n) for i, c in enumerate(comparisons) if not c.failed for n in names
              if c.mine.replicates.get(n) and c.theirs.replicates.get(n)}
     level = 1.0 - error / max(len(tests), 1)
-    cells = list({(c.arm, c.point): c.mine for c in comparisons}.items()) + \
-        list({(c.ref, c.point): c.theirs for c in comparisons}.items())
+    # How far starts land apart is measured on whole load points; a class's requests are
+    # a subset of its point's, on the same starts, and take the same spread.
+    whole = [c for c in comparisons if not c.shape]
+    cells = list({(c.arm, c.point): c.mine for c in whole}.items()) + \
+        list({(c.ref, c.point): c.theirs for c in whole}.items())
     unique = list({(arm, point): s for (arm, point), s in cells}.items())
     spread = {name: between([(arm, s) for (arm, _), s in unique], name) for name in names}
     out = []

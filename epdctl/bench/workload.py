@@ -8,16 +8,17 @@ import json
 import math
 import random
 import re
-import struct
 import sys
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from epdctl.bench.arms import Arm, image_limit, max_model_len
+from epdctl.bench.images import png
+from epdctl.bench.tracefile import TraceFile
 from epdctl.errors import BenchError
+from epdctl.traces.mix import exact_counts
 
 # Replaces the `vllm bench serve` argv prefix (tests: a stand-in that writes a result).
 BENCH_COMMAND_ENV = "EPDCTL_BENCH_COMMAND"
@@ -45,9 +46,13 @@ class LoadPoint:
     seed: int | None = None
     """Its requests' seed in place of the workload's seed plus its index (tune: a rate's
     own, so that every candidate meets the same arrivals at the same rate)."""
+    speed: float | None = None
+    """A trace's point: its arrival times divided by this (`--speed`)."""
 
     @property
     def label(self) -> str:
+        if self.speed is not None:
+            return f"speed {self.speed:g}x"
         parts = [] if math.isinf(self.request_rate) else [f"{self.request_rate:g} req/s"]
         if self.max_concurrency is not None:
             parts.append(f"concurrency {self.max_concurrency}")
@@ -57,6 +62,8 @@ class LoadPoint:
         rate = "inf" if math.isinf(self.request_rate) else self.request_rate
         out = {"label": self.label, "request_rate": rate,
                "max_concurrency": self.max_concurrency}
+        if self.speed is not None:
+            out["speed"] = self.speed
         return out if self.seed is None else {**out, "seed": self.seed}
 
 
@@ -89,11 +96,19 @@ class Workload:
     dataset_name: str = "custom_image"
     slo: tuple[tuple[str, float], ...] = ()
     """(metric, milliseconds) pairs for vLLM's goodput."""
+    trace: TraceFile | None = None
+    """`--trace`: replayed at each point's speed (epdctl.bench.replay)."""
+    mix: tuple[tuple[str, float], ...] = ()
+    """`--mix`: (shape class, share) of a synthetic trace per point, of the sizes above."""
 
     @property
     def kind(self) -> str:
-        """random-mm, generated (for --repeat), audio (generated clips) or dataset (the
-        user's file)."""
+        """random-mm, generated (for --repeat), audio (generated clips), dataset (the
+        user's file), trace (--trace) or mix (--mix)."""
+        if self.trace is not None:
+            return "trace"
+        if self.mix:
+            return "mix"
         if self.dataset is not None:
             return "dataset"
         if self.audios:
@@ -103,6 +118,8 @@ class Workload:
     def requests_at(self, index: int) -> int:
         """Requests load point `index` sends: num_prompts, or its rate x point_seconds when
         that is more (a concurrency or all-at-once point: num_prompts)."""
+        if self.trace is not None:
+            return self.trace.requests
         rate = self.points[index].request_rate
         if not self.point_seconds or math.isinf(rate):
             return self.num_prompts
@@ -122,17 +139,29 @@ class Workload:
         return (self.seed + 1_000_000 * len(self.points)) % 2**32
 
     def as_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "num_prompts": self.num_prompts,
-                "point_seconds": self.point_seconds, "seed": self.seed,
-                "images": self.images, "image_size": list(self.image_size),
-                "input_len": self.input_len, "output_len": self.output_len,
-                "videos": self.videos, "video_frames": self.video_frames,
-                "audios": self.audios, "repeat": self.repeat,
-                "dataset": str(self.dataset) if self.dataset else None,
-                "dataset_name": self.dataset_name if self.dataset else None,
-                "slo_ms": dict(self.slo),
-                "points": [{**p.as_json(), "requests": self.requests_at(i)}
-                           for i, p in enumerate(self.points)]}
+        out: dict[str, Any] = {
+            "kind": self.kind, "num_prompts": self.num_prompts,
+            "point_seconds": self.point_seconds, "seed": self.seed,
+            "images": self.images, "image_size": list(self.image_size),
+            "input_len": self.input_len, "output_len": self.output_len,
+            "videos": self.videos, "video_frames": self.video_frames,
+            "audios": self.audios, "repeat": self.repeat,
+            "dataset": str(self.dataset) if self.dataset else None,
+            "dataset_name": self.dataset_name if self.dataset else None,
+            "slo_ms": dict(self.slo),
+            "points": [{**p.as_json(), "requests": self.requests_at(i)}
+                       for i, p in enumerate(self.points)]}
+        if self.trace is not None or self.mix:
+            out |= {"trace": self.trace.as_json()} if self.trace else {"mix": dict(self.mix)}
+            for index, point in enumerate(out["points"]):
+                point["classes"] = self.class_counts(index)
+        return out
+
+    def class_counts(self, index: int = 0) -> dict[str, int]:
+        """A trace's (or a mix's) requests per shape class at load point `index`."""
+        if self.trace is not None:
+            return dict(self.trace.classes)
+        return exact_counts(dict(self.mix), self.requests_at(index)) if self.mix else {}
 
 
 def parse_list(text: str | None, what: str, kind: type) -> list[Any]:
@@ -332,26 +361,6 @@ def parse_result(path: Path) -> dict[str, float | int | None]:
     if figures["ttft_p50_ms"] is None and isinstance(data.get("median_ttft_ms"), int | float):
         figures["ttft_p50_ms"] = data["median_ttft_ms"]
     return figures
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    """A deterministic RGB PNG; every seed gives other bytes (stdlib, fast enough for 1k^2)."""
-    rng = random.Random(seed)
-    offsets = [rng.randrange(256) for _ in range(3)]
-    row = bytes(((x * 7 + offsets[0]) % 256, (x * 3 + offsets[1]) % 256, offsets[2])[c]
-                for x in range(width) for c in range(3))
-    rows = bytearray()
-    for y in range(height):
-        table = bytes((i + y * 5) % 256 for i in range(256))
-        rows += b"\x00" + row.translate(table)
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (struct.pack(">I", len(body)) + kind + body
-                + struct.pack(">I", zlib.crc32(kind + body)))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(bytes(rows), 1)) + chunk(b"IEND", b""))
 
 
 def write_dataset(workload: Workload, index: int, path: Path, round_: int = 0

@@ -74,18 +74,31 @@ class BenchProgress:
 
 def results_table(doc: Mapping[str, Any], width: int = 80) -> str:
     """The table as text, as wide as it needs (wider than most terminals: never clipped)."""
-    from rich.console import Console
-
     from epdctl.bench.report import table_rows
 
-    rows = table_rows(doc)
-    table = Table(box=None, pad_edge=False, title_justify="left",
-                  caption="ms / per second; ± half the 95 % interval; n<N: a percentile "
-                  "that needs N requests; x ref = over "
-                  f"`{doc.get('reference') or 'the earlier run'}`",
+    return _text_table(table_rows(doc), "ms / per second; ± half the 95 % interval; n<N: a "
+                       "percentile that needs N requests; x ref = over "
+                       f"`{doc.get('reference') or 'the earlier run'}`", 2, width)
+
+
+def class_table(doc: Mapping[str, Any], width: int = 80) -> str | None:
+    """A trace's per shape class table as text (None: not a trace)."""
+    from epdctl.bench.report import class_rows
+
+    rows = class_rows(doc)
+    if len(rows) < 2:
+        return None
+    return _text_table(rows, "per shape class: its requests alone; req/s and goodput are "
+                       "theirs per second of the run", 3, width)
+
+
+def _text_table(rows: list[list[str]], caption: str, left: int, width: int) -> str:
+    from rich.console import Console
+
+    table = Table(box=None, pad_edge=False, title_justify="left", caption=caption,
                   caption_justify="left")
     for i, header in enumerate(rows[0]):
-        table.add_column(header, justify="left" if i < 2 else "right", no_wrap=True)
+        table.add_column(header, justify="left" if i < left else "right", no_wrap=True)
     for row in rows[1:]:
         table.add_row(*(Text(c) for c in row))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -97,16 +110,21 @@ def results_table(doc: Mapping[str, Any], width: int = 80) -> str:
 
 
 def print_results(app: App, doc: Mapping[str, Any]) -> None:
-    """The table, how the arms took turns, and one verdict per load point and arm."""
-    from epdctl.bench.report import order_line
+    """The table (a trace's per shape class too), how the arms took turns, and one verdict
+    per load point and arm (and class)."""
+    from epdctl.bench.report import order_line, verdict_line, workload_line
 
     app.out.print(results_table(doc, app.out.width), markup=False)
+    shaped = class_table(doc, app.out.width)
+    if shaped is not None:
+        app.out.print(shaped, markup=False)
+        app.out.print(f"workload: {workload_line(doc['workload'])}", markup=False)
     if doc.get("order"):
         app.out.print(order_line(doc), markup=False)
     for note in doc.get("notes") or []:
         app.out.print(f"note: {note}", markup=False)
     for v in doc["verdicts"]:
-        app.out.print(f"{v['load']}: {v['text']}", markup=False)
+        app.out.print(verdict_line(v), markup=False)
 
 
 def plan_lines(arms: Sequence[Arm], workload: Workload, plan: Plan) -> list[str]:
@@ -134,7 +152,7 @@ def plan_json(arms: Sequence[Arm], workload: Workload, plan: Plan) -> dict[str, 
 def dry_run(app: App, arms: Sequence[Arm], workload: Workload, plan: Plan,
             as_json: bool) -> None:
     """Each arm's plan and the workload commands it would get; nothing starts."""
-    from epdctl.bench.workload import argv, bench_command
+    from epdctl.bench.senders import argv
     from epdctl.launch.run import prepare
 
     docs = []
@@ -151,8 +169,8 @@ def dry_run(app: App, arms: Sequence[Arm], workload: Workload, plan: Plan,
         commands = []
         for index in range(len(workload.points)):
             dataset = Path(f"<work dir>/datasets/point-{index}.jsonl") \
-                if workload.kind in ("generated", "audio") else None
-            commands.append(argv(bench_command(arm), workload, index, url=run.plan.proxy.url,
+                if workload.kind in ("generated", "audio", "mix") else None
+            commands.append(argv(arm, workload, index, url=run.plan.proxy.url,
                                  model=arm.topology.model,
                                  served_model_name=run.plan.model_name,
                                  result_dir=Path("<work dir>/runs"),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from epdctl.bench.tracefile import DEFAULT_LIMIT
 from epdctl.cli._app import App, pass_app
 from epdctl.cli._options import point_seconds_option
 from epdctl.cli.bench_compare import BenchCommand
@@ -16,42 +17,6 @@ from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 
 if TYPE_CHECKING:
     from epdctl.bench.arms import Arm
-    from epdctl.bench.workload import Workload
-
-
-def _workload(opts: dict[str, Any]) -> Workload:
-    from epdctl.bench.workload import (
-        Workload,
-        load_points,
-        parse_image_size,
-        parse_list,
-        parse_slo,
-    )
-    from epdctl.errors import BenchError
-
-    repeat, dataset, images = opts["repeat"], opts["dataset"], opts["images"]
-    context = click.get_current_context(silent=True)
-    is_default = context is not None and context.get_parameter_source("images") in (
-        click.core.ParameterSource.DEFAULT, None)
-    if opts["audios"] and is_default:
-        images = 0  # an audio workload's requests are text and one clip
-    opts = {**opts, "images": images}
-    if not 0 <= repeat < 1:
-        raise BenchError(f"--repeat: expected a fraction from 0 to below 1, got {repeat:g}")
-    if repeat and (dataset is not None or opts["images"] == 0):
-        raise BenchError("--repeat needs images (--images 1 or more) and no --dataset")
-    if dataset is not None and not dataset.is_file():
-        raise BenchError(f"--dataset {dataset}: no such file")
-    points = load_points(parse_list(opts["rates"], "--request-rate", float),
-                         parse_list(opts["concurrency"], "--max-concurrency", int))
-    return Workload(points=points, num_prompts=opts["num_prompts"],
-                    point_seconds=opts["point_seconds"], seed=opts["seed"],
-                    images=opts["images"], image_size=parse_image_size(opts["image_size"]),
-                    input_len=opts["input_len"], output_len=opts["output_len"], repeat=repeat,
-                    videos=opts["videos"], video_frames=opts["video_frames"],
-                    audios=opts["audios"],
-                    dataset=dataset.absolute() if dataset else None,
-                    dataset_name=opts["dataset_name"], slo=parse_slo(opts["slo"]))
 
 
 def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...]) -> list[Arm]:
@@ -83,6 +48,18 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
 @click.option("--reference", "reference_name", metavar="ARM",
               help="Take ratios and verdicts against this arm (its name, as the table shows "
               "it: `epd`, the baseline's, an --arm topology's); default: the baseline.")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path), metavar="FILE",
+              help="Replay this trace (docs/traces.md: JSON lines, Mooncake's, Azure's CSV) "
+              "at its own arrival times, its lines' shapes and lengths; reported per shape "
+              "class too.")
+@click.option("--speed", "speeds", metavar="LIST",
+              help="--trace: its arrival times divided by each, a load point each (e.g. "
+              "1,2,4); default 1.")
+@click.option("--limit", type=click.IntRange(1), default=DEFAULT_LIMIT, show_default=True,
+              metavar="N", help="--trace: refuse a trace of more requests.")
+@click.option("--mix", metavar="CLASS:SHARE,...",
+              help="A synthetic trace of these shape classes (text:0.4,image:0.6): "
+              "--num-prompts requests of the sizes below, Poisson at each --request-rate.")
 @click.option("--request-rate", "rates", metavar="LIST",
               help="Requests per second, e.g. 1,2,4 (a sweep) or inf; default inf.")
 @click.option("--max-concurrency", "concurrency", metavar="LIST",
@@ -95,11 +72,12 @@ def _arms(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...])
 @click.option("--images", type=click.IntRange(0), default=1, show_default=True,
               help="Images per request.")
 @click.option("--image-size", default="512x512", show_default=True,
-              metavar="WxH", help="Image size in pixels (video frames too).")
+              metavar="WxH", help="Image size in pixels (video frames too; a trace's media "
+              "of no size).")
 @click.option("--videos", type=click.IntRange(0), default=0, show_default=True,
               help="Videos per request (random MP4s of --video-frames frames).")
 @click.option("--video-frames", type=click.IntRange(2), default=4, show_default=True,
-              help="Frames per video.")
+              help="Frames per video (a trace's videos of no frame count too).")
 @click.option("--audios", type=click.IntRange(0, 1), default=0, show_default=True,
               help="Audio clips per request (1: generated WAVs, vLLM's custom_audio dataset; "
               "no images then).")
@@ -143,18 +121,13 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
     from epdctl.bench.counters import device_names
     from epdctl.bench.runner import Plan, prompts_for_arms, run_arms
     from epdctl.bench.schedule import fewest_rounds
-    from epdctl.bench.workload import check
-    from epdctl.cli._bench_render import (
-        BenchProgress,
-        dry_run,
-        plan_lines,
-        print_results,
-        write_out,
-    )
+    from epdctl.bench.senders import check
+    from epdctl.cli._bench_render import BenchProgress, dry_run, plan_lines
+    from epdctl.cli._bench_workload import workload_from
     from epdctl.errors import BenchError
     from epdctl.launch.resolve import vllm_version
 
-    workload = _workload(opts)
+    workload = workload_from(opts)
     arms = _arms(app, topology_path, baseline, extra)
     arm_names = [a.name for a in arms]
     if reference_name is not None and reference_name not in arm_names:
@@ -175,8 +148,7 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
         progress.line(line)
 
     def undecided(runs: Any) -> bool:
-        doc = report.build(runs, workload, prompts, reference_name)
-        return any(not v["decided"] for v in doc["verdicts"])
+        return report.is_undecided(report.build(runs, workload, prompts, reference_name))
 
     try:
         runs = run_arms(arms, workload, app.state_root, work_dir, timeout_s=timeout_s,
@@ -191,6 +163,15 @@ def bench(app: App, topology_path: Path, baseline: str, extra: tuple[Path, ...],
                        vllm_version=vllm_version(), devices=device_names(arms),
                        command=["epdctl", *sys.argv[1:]], work_dir=str(work_dir),
                        plan={"rounds": count, "warmup": warmup, "until_significant": max_rounds})
+    _output(app, doc, out_dir, as_json, work_dir)
+
+
+def _output(app: App, doc: dict[str, Any], out_dir: Path | None, as_json: bool,
+            work_dir: Path) -> None:
+    """The report (stdout, --out), failed requests, and the greedy subset's verdict."""
+    from epdctl.cli._bench_render import print_results, write_out
+    from epdctl.errors import BenchError
+
     if out_dir is not None:
         write_out(app, doc, out_dir)
     if as_json:

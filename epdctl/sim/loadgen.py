@@ -3,9 +3,8 @@
 It takes the arguments epdctl's bench gives `vllm bench serve` (epdctl.bench.workload.argv:
 the openai-chat backend, the `random` and `random-mm` datasets of images, a Poisson rate or
 all at once, a concurrency cap, goodput SLOs) and writes the result file that `--save-result
---save-detailed` writes, with vLLM's figures computed vLLM's way (vllm/benchmarks/serve.py:
-TPOT over the tokens after the first, goodput against every SLO given, percentiles
-interpolated linearly). It starts in well under a second, where `vllm bench serve` imports
+--save-detailed` writes, with vLLM's figures computed vLLM's way (epdctl.bench.client, which
+the trace replayer shares). It starts in well under a second, where `vllm bench serve` imports
 vLLM, torch and a tokenizer each time (~10-20 s on two cores, once per load point: most of
 a sweep's time on the simulated machine). Its requests are shaped as tune's probes shape
 them (epdctl.tune.probes.Bodies: the workload's words and PNG images), so what tune
@@ -27,28 +26,15 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from epdctl.bench import estimates as stats
-from epdctl.bench.workload import WORDS, png
-
-METRICS = ("ttft", "tpot", "itl", "e2el")
-
-
-@dataclass
-class Outcome:
-    """One request as vLLM's RequestFuncOutput records it (seconds)."""
-
-    start: float = 0.0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str = ""
+from epdctl.bench import client
+from epdctl.bench.client import Outcome
+from epdctl.bench.images import png
+from epdctl.bench.workload import WORDS
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -136,41 +122,6 @@ def bodies(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
-               headers: dict[str, str]) -> Outcome:
-    """One streamed chat request, timed as vLLM's openai-chat request function times it."""
-    out = Outcome(start=time.perf_counter())
-    last = out.start
-    try:
-        async with session.post(url, json=body, headers=headers) as reply:
-            if reply.status != 200:
-                out.error = f"HTTP {reply.status}: {(await reply.text())[:200]}"
-                return out
-            async for raw in reply.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                now = time.perf_counter()
-                if chunk.get("choices"):  # any choice chunk, the role's too, as vLLM
-                    if not out.ttft:
-                        out.ttft = now - out.start
-                    else:
-                        out.itl.append(now - last)
-                    last = now
-                elif usage := chunk.get("usage"):
-                    out.output_tokens = int(usage.get("completion_tokens") or 0)
-        out.latency = last - out.start
-        if not out.ttft:
-            out.error = "no token in the answer"
-    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    return out
-
-
 async def run(args: argparse.Namespace, requests: list[dict[str, Any]]) -> tuple[
         list[Outcome], float]:
     url = args.base_url.rstrip("/") + args.endpoint
@@ -184,7 +135,8 @@ async def run(args: argparse.Namespace, requests: list[dict[str, Any]]) -> tuple
 
         async def one(body: dict[str, Any]) -> Outcome:
             async with limit:
-                return await send(session, url, body, headers)
+                return await client.send(session, url, json.dumps(body).encode(), True,
+                                         headers)
 
         started = time.perf_counter()
         tasks = []
@@ -196,55 +148,16 @@ async def run(args: argparse.Namespace, requests: list[dict[str, Any]]) -> tuple
         return outcomes, time.perf_counter() - started
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """numpy.percentile's default (linear) of `values`; 0 for none (as vLLM's `or 0`)."""
-    return stats.percentile(sorted(values), q) if values else 0.0
-
-
 def result(args: argparse.Namespace, outcomes: Sequence[Outcome], duration: float
            ) -> dict[str, Any]:
-    """The `--save-result --save-detailed` file's keys epdctl reads, and vLLM's others of
-    the same figures."""
-    done = [o for o in outcomes if not o.error]
-    lens = [o.output_tokens or 1 for o in done]
-    per: dict[str, list[float]] = {"ttft": [o.ttft for o in done],
-                                   "e2el": [o.latency for o in done],
-                                   "itl": [x for o in done for x in o.itl], "tpot": []}
-    all_tpots = []
-    for o, n in zip(done, lens, strict=True):
-        tpot = (o.latency - o.ttft) / (n - 1) if n > 1 else 0.0
-        if n > 1:
-            per["tpot"].append(tpot)
-        all_tpots.append(tpot)
-    good = 0
-    if args.slo:
-        measured = {"ttft": per["ttft"], "tpot": all_tpots, "e2el": per["e2el"]}
-        for i in range(len(done)):
-            good += all(measured[k][i] * 1000 <= ms for k, ms in args.slo.items())
-    out: dict[str, Any] = {
-        "backend": args.backend, "model_id": args.model, "num_prompts": args.num_prompts,
-        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
-        "max_concurrency": args.max_concurrency, "duration": duration,
-        "completed": len(done), "failed": len(outcomes) - len(done),
-        "total_output_tokens": sum(lens),
-        "request_throughput": len(done) / duration if duration else 0.0,
-        "output_throughput": sum(lens) / duration if duration else 0.0,
-        "request_goodput": good / duration if args.slo and duration else None,
-    }
-    wanted = [float(p) for p in args.metric_percentiles.split(",")]
-    for metric in METRICS:
-        values = per[metric]
-        out[f"mean_{metric}_ms"] = sum(values) / len(values) * 1000 if values else 0.0
-        out[f"median_{metric}_ms"] = percentile(values, 50) * 1000
-        for p in wanted:
-            out[f"p{p:g}_{metric}_ms"] = percentile(values, p) * 1000
-    if args.save_detailed:
-        out |= {"input_lens": [args.random_input_len] * len(outcomes),
-                "output_lens": [o.output_tokens if not o.error else 0 for o in outcomes],
-                "ttfts": [o.ttft for o in outcomes], "itls": [o.itl for o in outcomes],
-                "latencies": [o.latency for o in outcomes],
-                "errors": [o.error for o in outcomes]}
-    return out
+    """The `--save-result` file (`--save-detailed`'s lists with it where asked)."""
+    head = {"backend": args.backend, "model_id": args.model, "num_prompts": args.num_prompts,
+            "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+            "max_concurrency": args.max_concurrency}
+    return client.result(outcomes, duration, slo=args.slo, head=head,
+                         percentiles=[float(p) for p in args.metric_percentiles.split(",")],
+                         input_lens=[args.random_input_len] * len(outcomes),
+                         is_detailed=args.save_detailed)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

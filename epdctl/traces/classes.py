@@ -50,6 +50,14 @@ def counts(requests: Sequence[TraceRequest]) -> dict[str, int]:
     return dict(sorted(tally.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def describe(requests: Sequence[TraceRequest]) -> str:
+    """`12 requests over 3.4 s: text 4, image 6, image2 2` (here, not in format: format
+    knows nothing of classes)."""
+    span = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000 if requests else 0.0
+    by_class = ", ".join(f"{name} {n}" for name, n in counts(requests).items())
+    return f"{len(requests)} requests over {span:.1f} s: {by_class}"
+
+
 @dataclass(frozen=True)
 class Typical:
     """A class's typical request: the median of each size and length over its requests."""

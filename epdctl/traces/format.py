@@ -17,7 +17,7 @@ import csv
 import io
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -284,11 +284,3 @@ def scaled(trace: Trace, speed: float) -> list[float]:
     """Each request's send time (s from the start) at `speed` times the trace's pace."""
     return [r.timestamp_ms / 1000 / speed for r in trace.requests]
 
-
-def describe(requests: Sequence[TraceRequest]) -> str:
-    """`12 requests over 3.4 s: text 4, image 6, image2 2`."""
-    from epdctl.traces.classes import counts
-
-    span = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000 if requests else 0.0
-    by_class = ", ".join(f"{name} {n}" for name, n in counts(requests).items())
-    return f"{len(requests)} requests over {span:.1f} s: {by_class}"

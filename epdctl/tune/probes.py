@@ -12,7 +12,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from epdctl.bench.workload import WORDS, Workload, png
+from epdctl.bench.images import png
+from epdctl.bench.workload import WORDS, Workload
 from epdctl.launch.state import RunState, SpecModel
 from epdctl.tune.candidates import Pool, Shape
 from epdctl.tune.des import StepCost

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from epdctl.bench.workload import png
+from epdctl.bench.images import png
 from epdctl.sim.costmodel import CostModel, load_cost_model
 from epdctl.sim.engine import Engine, OutOfMemory, kv_capacity, make_app
 from epdctl.sim.options import Options, parse_options

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestServer
 
+from epdctl.bench import client
 from epdctl.bench.samples import parse_round
 from epdctl.bench.workload import LoadPoint, Workload, argv, parse_result, parse_slo
 from epdctl.sim import loadgen
@@ -115,7 +116,7 @@ def test_every_request_has_images_of_its_own(tmp_path: Path) -> None:
 ])
 def test_percentiles_are_numpys_linear_ones(values: list[float], q: float,
                                             expected: float) -> None:
-    assert loadgen.percentile(values, q) == pytest.approx(expected)
+    assert client.percentile(values, q) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("extra", "message"), [

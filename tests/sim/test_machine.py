@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from epdctl.bench.workload import png
+from epdctl.bench.images import png
 from tests.harness import free_ports
 
 pytestmark = pytest.mark.timeout(120)
