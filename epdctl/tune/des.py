@@ -180,3 +180,19 @@ def least_outstanding(pool: list[Instance], turn: int = 0) -> Instance:
     best = min(i.outstanding for i in pool)
     ties = [i for i in pool if i.outstanding == best]
     return ties[turn % len(ties)]
+
+
+def alone_s(cost: StepCost, job: Job) -> float:
+    """A job's time on an idle instance (s): its first step (a prefill, or a decode step),
+    then a decode step of one request for each further token (a closed form, as the
+    steps' context grows by a token each)."""
+    if job.needs_prefill:
+        first = cost.ms(job.work, job.prompt_tokens, 0, 0)
+        start, steps = 1, max(job.output_tokens - 1, 0)
+    else:
+        first, start, steps = 0.0, 0, job.output_tokens
+    if steps:
+        base = cost.ms(0, 0, 1, 0)
+        context = steps * (job.prompt_tokens + start) + steps * (steps - 1) / 2
+        first += steps * base + cost.per_kctx_ms * context / 1000
+    return first / 1000

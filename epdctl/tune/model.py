@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from epdctl.tune.candidates import Pool, Shape
-from epdctl.tune.des import Instance, Job, Sim, StepCost, least_outstanding
+from epdctl.tune.des import Instance, Job, Sim, StepCost, alone_s, least_outstanding
 
 ATTAINMENT = 0.9
 """Share of requests that must meet the SLO."""
@@ -181,6 +181,7 @@ class Wiring:
         def watched(role: str, job: Job) -> Job:
             return job if delays is None else _watched(role, job, self.roles[role][0].cost,
                                                         delays)
+
         first: list[float] = []
 
         def on_token(t: float) -> None:
@@ -242,22 +243,6 @@ def _watched(role: str, job: Job, cost: StepCost, delays: dict[str, float]) -> J
 
     job.on_done = on_done
     return job
-
-
-def alone_s(cost: StepCost, job: Job) -> float:
-    """A job's time on an idle instance (s): its first step (a prefill, or a decode step),
-    then a decode step of one request for each further token (a closed form, as the
-    steps' context grows by a token each)."""
-    if job.needs_prefill:
-        first = cost.ms(job.work, job.prompt_tokens, 0, 0)
-        start, steps = 1, max(job.output_tokens - 1, 0)
-    else:
-        first, start, steps = 0.0, 0, job.output_tokens
-    if steps:
-        base = cost.ms(0, 0, 1, 0)
-        context = steps * (job.prompt_tokens + start) + steps * (steps - 1) / 2
-        first += steps * base + cost.per_kctx_ms * context / 1000
-    return first / 1000
 
 
 def simulate(shape: Shape, profile: Profile, req: RequestShape, *, rate: float | None = None,

@@ -6,8 +6,8 @@ import pytest
 
 from epdctl.traces.format import MediaItem, Trace, TraceError, TraceRequest
 from epdctl.tune.candidates import Pool, Shape
-from epdctl.tune.des import Job, StepCost
-from epdctl.tune.model import Profile, RequestShape, alone_s, simulate, stage_key
+from epdctl.tune.des import Job, StepCost, alone_s
+from epdctl.tune.model import Profile, RequestShape, simulate, stage_key
 from epdctl.tune.workload import ProfiledShape, from_trace, request_shape
 
 PROFILED = ProfiledShape((512, 512), 1000.0)
