@@ -36,7 +36,7 @@ class StepCost:
     decode-only step's `fixed_ms`; such a step pays the larger. A decode-only step never
     pays it (vLLM's and the fake engine's steps pay for the work they do)."""
 
-    def ms(self, images: int, tokens: int, seqs: int, context: int) -> float:
+    def ms(self, images: float, tokens: int, seqs: int, context: int) -> float:
         if not (images or tokens or seqs):
             return 0.0
         fixed = self.fixed_ms
@@ -80,6 +80,13 @@ class Job:
     started: float | None = None
     """When its first step began (the end of its queueing)."""
     generated: int = 0
+    image_work: float | None = None
+    """Its images' encoding work in images of the profiled size (None: `images`); the step
+    limit counts `images` (E takes images, not pixels, a step)."""
+
+    @property
+    def work(self) -> float:
+        return self.images if self.image_work is None else self.image_work
 
     @property
     def kv_tokens(self) -> int:
@@ -139,7 +146,7 @@ class Instance:
         if not decoding and not prefilled:
             self.is_busy = False
             return
-        ms = self.cost.ms(sum(j.images for j in admitted),
+        ms = self.cost.ms(sum(j.work for j in admitted),
                           sum(j.prompt_tokens for j in prefilled), len(decoding),
                           sum(j.prompt_tokens + j.generated for j in decoding))
         if self.cost.is_exponential:
@@ -173,3 +180,19 @@ def least_outstanding(pool: list[Instance], turn: int = 0) -> Instance:
     best = min(i.outstanding for i in pool)
     ties = [i for i in pool if i.outstanding == best]
     return ties[turn % len(ties)]
+
+
+def alone_s(cost: StepCost, job: Job) -> float:
+    """A job's time on an idle instance (s): its first step (a prefill, or a decode step),
+    then a decode step of one request for each further token (a closed form, as the
+    steps' context grows by a token each)."""
+    if job.needs_prefill:
+        first = cost.ms(job.work, job.prompt_tokens, 0, 0)
+        start, steps = 1, max(job.output_tokens - 1, 0)
+    else:
+        first, start, steps = 0.0, 0, job.output_tokens
+    if steps:
+        base = cost.ms(0, 0, 1, 0)
+        context = steps * (job.prompt_tokens + start) + steps * (steps - 1) / 2
+        first += steps * base + cost.per_kctx_ms * context / 1000
+    return first / 1000

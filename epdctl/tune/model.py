@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from epdctl.tune.candidates import Pool, Shape
-from epdctl.tune.des import Instance, Job, Sim, StepCost, least_outstanding
+from epdctl.tune.des import Instance, Job, Sim, StepCost, alone_s, least_outstanding
 
 ATTAINMENT = 0.9
 """Share of requests that must meet the SLO."""
@@ -73,6 +73,16 @@ class RequestShape:
     prompt_tokens: int
     """Text plus image tokens."""
     output_tokens: int
+    image_work: tuple[float, ...] = ()
+    """Per image, its encoding work in images of the profiled size (empty: one each)."""
+
+    def work(self, image: int) -> float | None:
+        """Image `image`'s work for its Job (None: one profiled image)."""
+        return self.image_work[image] if self.image_work else None
+
+    @property
+    def all_work(self) -> float | None:
+        return sum(self.image_work) if self.image_work else None
 
 
 @dataclass(frozen=True)
@@ -87,25 +97,50 @@ class Slo:
 
 @dataclass
 class Outcome:
-    """One simulated run: per request TTFT and TPOT (s), per role utilization."""
+    """One simulated run: per request TTFT and TPOT (s), per role utilization; for a trace,
+    per request its shape class and what each role it visited delayed it (delays)."""
 
     ttft: list[float]
     tpot: list[float]
     utilization: dict[str, float]
     duration_s: float
+    classes: list[str] = field(default_factory=list)
+    delays: list[dict[str, float]] = field(default_factory=list)
+    """Per request and role: its time there less what the same work takes on an idle
+    instance (queueing, and steps stretched by the batch and neighbours)."""
 
-    def attainment(self, slo: Slo) -> float:
-        met = sum(1 for a, b in zip(self.ttft, self.tpot, strict=True) if slo.met(a, b))
-        return met / len(self.ttft) if self.ttft else 0.0
+    def _of(self, shape_class: str | None) -> list[int]:
+        if shape_class is None:
+            return list(range(len(self.ttft)))
+        return [i for i, c in enumerate(self.classes) if c == shape_class]
 
-    def percentile(self, values: str, q: float) -> float:
-        data = sorted(getattr(self, values))
+    def attainment(self, slo: Slo, shape_class: str | None = None) -> float:
+        if shape_class is None:
+            met = sum(1 for a, b in zip(self.ttft, self.tpot, strict=True) if slo.met(a, b))
+            return met / len(self.ttft) if self.ttft else 0.0
+        mine = self._of(shape_class)
+        met = sum(1 for i in mine if slo.met(self.ttft[i], self.tpot[i]))
+        return met / len(mine) if mine else 0.0
+
+    def percentile(self, values: str, q: float, shape_class: str | None = None) -> float:
+        every = getattr(self, values)
+        data = sorted(every if shape_class is None else
+                      [every[i] for i in self._of(shape_class)])
         if not data:
             return math.nan
         return data[min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))]
 
+    def delay_by_role(self, shape_class: str | None = None) -> dict[str, float]:
+        """Mean delay (s) per role over the class's requests (0 where one skipped it)."""
+        mine = self._of(shape_class) if self.delays else []
+        total: dict[str, float] = {}
+        for i in mine:
+            for role, s in self.delays[i].items():
+                total[role] = total.get(role, 0.0) + s
+        return {role: s / len(mine) for role, s in total.items()}
 
-class _Topology:
+
+class Wiring:
     """A shape's instances in a Sim, wired as the proxy sends requests."""
 
     def __init__(self, sim: Sim, shape: Shape, profile: Profile) -> None:
@@ -136,9 +171,17 @@ class _Topology:
         self.turn += 1
         return least_outstanding(self.roles[role], self.turn)
 
-    def send(self, req: RequestShape, report: Callable[[float, float, float], None]) -> None:
-        """One request from now on; `report(ttft, tpot, end)` once it finishes."""
+    def send(self, req: RequestShape, report: Callable[[float, float, float], None],
+             delays: dict[str, float] | None = None) -> None:
+        """One request from now on; `report(ttft, tpot, end)` once it finishes. A request
+        without images skips E, as the proxy sends a body with no media straight to PD (or
+        P). With `delays`, each role's delay of it is kept there (_watched)."""
         arrived = self.sim.now
+
+        def watched(role: str, job: Job) -> Job:
+            return job if delays is None else _watched(role, job, self.roles[role][0].cost,
+                                                        delays)
+
         first: list[float] = []
 
         def on_token(t: float) -> None:
@@ -152,19 +195,21 @@ class _Topology:
 
         def generate() -> None:
             if "prefill_decode" in self.roles:
-                self.pick("prefill_decode").submit(Job(
+                self.pick("prefill_decode").submit(watched("prefill_decode", Job(
                     0 if self.shape.encoders else req.images, req.prompt_tokens,
-                    req.output_tokens, on_token=on_token, on_done=finished))
+                    req.output_tokens, on_token=on_token, on_done=finished,
+                    image_work=None if self.shape.encoders else req.all_work)))
                 return
 
             def to_decode(t: float) -> None:
                 delay = (self.profile.kv_fixed_ms + self.profile.kv_per_ktoken_ms
                          * req.prompt_tokens / 1000) / 1000
-                self.sim.at(t + delay, lambda: self.pick("decode").submit(Job(
+                self.sim.at(t + delay, lambda: self.pick("decode").submit(watched("decode", Job(
                     0, req.prompt_tokens, req.output_tokens, needs_prefill=False,
-                    on_token=on_token, on_done=finished)))
+                    on_token=on_token, on_done=finished))))
 
-            self.pick("prefill").submit(Job(0, req.prompt_tokens, 1, on_done=to_decode))
+            self.pick("prefill").submit(watched("prefill", Job(0, req.prompt_tokens, 1,
+                                                               on_done=to_decode)))
 
         if not self.shape.encoders or not req.images:
             generate()
@@ -176,12 +221,28 @@ class _Topology:
             if not left[0]:
                 self.sim.at(t + self.profile.ec_handoff_ms / 1000, generate)
 
-        for _ in range(req.images):
-            self.pick("encode").submit(Job(1, 0, 0, on_done=encoded))
+        for image in range(req.images):
+            self.pick("encode").submit(watched("encode", Job(
+                1, 0, 0, on_done=encoded, image_work=req.work(image))))
 
     def utilization(self, duration: float) -> dict[str, float]:
         return {role: (sum(i.busy_s for i in pool) / len(pool) / duration if duration else 0.0)
                 for role, pool in self.roles.items()}
+
+
+def _watched(role: str, job: Job, cost: StepCost, delays: dict[str, float]) -> Job:
+    """`job`, keeping in `delays[role]` the most that role delayed the request (its
+    images on E: the slowest)."""
+    done = job.on_done
+
+    def on_done(t: float) -> None:
+        spent = t - job.submitted - alone_s(cost, job)
+        delays[role] = max(delays.get(role, 0.0), spent)
+        if done is not None:
+            done(t)
+
+    job.on_done = on_done
+    return job
 
 
 def simulate(shape: Shape, profile: Profile, req: RequestShape, *, rate: float | None = None,
@@ -189,7 +250,7 @@ def simulate(shape: Shape, profile: Profile, req: RequestShape, *, rate: float |
     """Run `requests` requests: Poisson arrivals at `rate` per second, or `concurrency` in
     flight (a new one as each finishes)."""
     sim = Sim(seed)
-    topo = _Topology(sim, shape, profile)
+    topo = Wiring(sim, shape, profile)
     ttft: list[float] = []
     tpot: list[float] = []
     ends: list[float] = []
@@ -239,7 +300,11 @@ class Prediction:
 def binding_stage(shape: Shape, prediction: Prediction) -> str:
     """The stage key of the role the prediction finds busiest at the knee (`decode-tp1`;
     "" when it has none): where the model's error for this candidate most likely lies."""
-    role = prediction.bottleneck
+    return role_stage(shape, prediction.bottleneck)
+
+
+def role_stage(shape: Shape, role: str) -> str:
+    """The stage key of one of the shape's roles ("" for none)."""
     if not role or role == "encode":
         return role
     pool = {"prefill_decode": shape.pd, "prefill": shape.prefill, "decode": shape.decode}[role]
@@ -260,32 +325,42 @@ def predict(shape: Shape, profile: Profile, req: RequestShape, slo: Slo, *,
     """The highest Poisson rate whose simulated run meets `slo` for >= ATTAINMENT of its
     requests (doubling, then bisection; the same arrivals scaled, so the runs compare; a run
     is `requests`, or `seconds` of arrivals when more: sim_requests)."""
-    def ok(rate: float) -> tuple[bool, Outcome]:
-        outcome = simulate(shape, profile, req, rate=rate, seed=seed,
-                           requests=sim_requests(rate, requests, seconds))
-        return outcome.attainment(slo) >= ATTAINMENT, outcome
+    def run(rate: float) -> Outcome:
+        return simulate(shape, profile, req, rate=rate, seed=seed,
+                        requests=sim_requests(rate, requests, seconds))
 
+    low, best = knee(run, slo, iterations)
+    if best is None:
+        best = simulate(shape, profile, req, rate=max(low, 1e-3), requests=requests, seed=seed)
+    return Prediction(round(low, 4), percentiles(best, "ttft"), percentiles(best, "tpot"),
+                      {r: round(u, 3) for r, u in best.utilization.items()})
+
+
+def knee(run: Callable[[float], Outcome], slo: Slo, iterations: int = 14
+         ) -> tuple[float, Outcome | None]:
+    """The highest rate whose run meets `slo` for >= ATTAINMENT of its requests, and that
+    run (None: not even 0.5 req/s): doubling from 0.5 req/s, then `iterations` bisections."""
     low, high = 0.0, 0.5
     best: Outcome | None = None
     while True:
-        good, outcome = ok(high)
-        if not good:
+        outcome = run(high)
+        if outcome.attainment(slo) < ATTAINMENT:
             break
         low, best, high = high, outcome, high * 2
         if high > 1e6:
             break
     for _ in range(iterations):
         mid = (low + high) / 2
-        good, outcome = ok(mid)
-        if good:
+        outcome = run(mid)
+        if outcome.attainment(slo) >= ATTAINMENT:
             low, best = mid, outcome
         else:
             high = mid
-    if best is None:
-        best = simulate(shape, profile, req, rate=max(low, 1e-3), requests=requests, seed=seed)
+    return low, best
 
-    def pcts(values: str) -> dict[str, float]:
-        return {f"p{q}": round(best.percentile(values, q) * 1000, 3) for q in (50, 90, 99)}
 
-    return Prediction(round(low, 4), pcts("ttft"), pcts("tpot"),
-                      {r: round(u, 3) for r, u in best.utilization.items()})
+def percentiles(outcome: Outcome, values: str, shape_class: str | None = None
+                ) -> dict[str, float]:
+    """p50, p90 and p99 of `ttft` or `tpot`, in ms."""
+    return {f"p{q}": round(outcome.percentile(values, q, shape_class) * 1000, 3)
+            for q in (50, 90, 99)}
