@@ -11,8 +11,54 @@ HEADERS = ("#", "candidate", "shape", "GPUs", "pred req/s", "meas req/s", "error
            "TTFT p90", "TPOT p90", "bottleneck", "utilization")
 
 
+CLASS_HEADERS = ("candidate", "class", "requests", "within SLO", "TTFT p90", "TPOT p90",
+                 "binding stage")
+CLASS_CANDIDATES = 3
+"""Over a trace: the candidates shown per class (the best predicted, and the best
+measured)."""
+
+
 def _num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
+
+
+def class_rows(doc: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """Over a trace: per class of the best candidates, its share within the SLO at the
+    candidate's predicted knee, its percentiles and the stage that binds it."""
+    traced = [c for c in doc["candidates"] if c.get("classes")]
+    shown = traced[:CLASS_CANDIDATES] + [c for c in traced[CLASS_CANDIDATES:]
+                                         if c["name"] == doc.get("best")]
+    out: list[tuple[str, ...]] = [CLASS_HEADERS]
+    for c in shown:
+        for name, k in c["classes"].items():
+            out.append((c["name"], name, str(k["requests"]), f"{k['attainment']:.0%}",
+                        _num(k["ttft_ms"].get("p90")), _num(k["tpot_ms"].get("p90")),
+                        k["binding_stage"] or "-"))
+    return out if len(out) > 1 else []
+
+
+def trace_line(doc: Mapping[str, Any]) -> str | None:
+    """What trace was tuned for, and the request shape profiled (None: not a trace)."""
+    t, w = doc.get("trace"), doc.get("workload") or {}
+    if not t:
+        return None
+    classes = ", ".join(f"{name} {n}" for name, n in t["classes"].items())
+    size = "x".join(str(n) for n in w.get("image_size", ()))
+    return (f"trace {t['file']}: {t['requests']} requests ({classes}), "
+            f"{_num(t['rate'])} req/s at speed 1 (goodput is that x a speed); profiled at "
+            f"class `{t['profiled_class']}`'s typical request: {w.get('images')} image(s) of "
+            f"{size}, {w.get('input_len')} text tokens, {w.get('output_len')} output tokens")
+
+
+def _aligned(table: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True))
+                     .rstrip() for r in table)
+
+
+def _md_table(table: list[tuple[str, ...]]) -> list[str]:
+    return (["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+            + ["| " + " | ".join(r) + " |" for r in table[1:]])
 
 
 def rows(doc: Mapping[str, Any]) -> list[tuple[str, ...]]:
@@ -51,10 +97,12 @@ def left_out(doc: Mapping[str, Any]) -> list[str]:
 
 
 def text_table(doc: Mapping[str, Any]) -> str:
-    table = rows(doc)
-    widths = [max(len(r[i]) for r in table) for i in range(len(HEADERS))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True))
-                     .rstrip() for r in table)
+    """The ranked table; over a trace, the per-class table after it."""
+    text = _aligned(rows(doc))
+    per_class = class_rows(doc)
+    if per_class:
+        text += "\n\nper class, at each candidate's predicted knee:\n" + _aligned(per_class)
+    return text
 
 
 def markdown(doc: Mapping[str, Any]) -> str:
@@ -64,7 +112,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
              f"({_num(doc.get('best_goodput'))} req/s)"
              + (f", since {doc['best_reason']}" if doc.get("best_reason") else "")
              + f". Stopped: {doc['stop_reason']}.", ""]
-    if doc.get("workload"):  # a report of an older epdctl has none
+    if doc.get("workload") and not doc.get("trace"):  # an older epdctl's report has none
         from epdctl.bench.report import workload_line
 
         lines += [f"Workload: {workload_line(doc['workload'])}.", ""]
@@ -74,8 +122,14 @@ def markdown(doc: Mapping[str, Any]) -> str:
                   f"{_num(h['ec_ms'])} ms; KV (D's pull) {_num(h['kv_ms'])} ms. A busy "
                   f"neighbour on a shared GPU makes a step "
                   f"{_num(h['sharing_slowdown'] * 100)} % longer.", ""]
-    lines += ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
-    lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
+    if trace_line(doc):
+        lines += [f"Tuned for the {trace_line(doc)}.", ""]
+    lines += _md_table(table)
+    per_class = class_rows(doc)
+    if per_class:
+        lines += ["", "Per class, at each candidate's predicted knee (the share of the "
+                  "class's requests within the SLO; the stage that delays them most):", ""]
+        lines += _md_table(per_class)
     if doc.get("not_confirmed"):
         lines += ["", "Not confirmed: " + ", ".join(f"`{n}`" for n in doc["not_confirmed"])]
     if doc.get("not_profiled"):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from epdctl.bench.tracefile import DEFAULT_LIMIT
 from epdctl.cli._app import App, pass_app
 from epdctl.cli._options import point_seconds_option
 from epdctl.launch.readiness import STARTUP_TIMEOUT_S
@@ -16,6 +17,7 @@ from epdctl.tune.decide import MAX_CONFIRM
 from epdctl.tune.search import CONFIRM_POINTS, KNEE_FACTORS, KNEE_STEP, KNEE_STEPS
 
 if TYPE_CHECKING:
+    from epdctl.bench.workload import Workload
     from epdctl.topology.model import Topology
     from epdctl.tune.runner import Settings
 
@@ -44,6 +46,15 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
               "(default: the base topology's; on `device: cpu`, its instance count).")
 @click.option("--slo", required=True, metavar="ttft=MS,tpot=MS",
               help="The SLO goodput counts: requests within it.")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path), metavar="FILE",
+              help="Tune for this trace (docs/traces.md): profiled at its most frequent "
+              "image-bearing class's typical request, predicted over its requests, confirmed "
+              "by replaying it at speeds.")
+@click.option("--limit", type=click.IntRange(1), default=DEFAULT_LIMIT, show_default=True,
+              metavar="N", help="--trace: refuse a trace of more requests.")
+@click.option("--mix", metavar="CLASS:SHARE,...",
+              help="Tune for a synthetic trace of these shape classes (text:0.4,image:0.6): "
+              "--num-prompts requests of the sizes below, Poisson arrivals.")
 @click.option("--num-prompts", type=click.IntRange(1), default=100, show_default=True,
               help="Requests per confirmation load point.")
 @point_seconds_option
@@ -107,9 +118,11 @@ def tune(app: App, topology_path: Path, gpus: str | None, slo: str, budget: str,
     live.use_sim_bench_command()
     profiler = live.LiveProfiler(app.state_root, out, Bodies(workload, base.model_name),
                                  tokens, timeout_s=timeout_s, tpot_ms=settings.slo.tpot_ms)
-    confirmer = live.LiveConfirmer(workload, app.state_root, out, timeout_s=timeout_s,
-                                   progress=progress, points=confirm_points,
-                                   steps=knee_steps)
+    confirmer = live.LiveConfirmer(_confirmed(settings, topology_path), app.state_root, out,
+                                   timeout_s=timeout_s, progress=progress,
+                                   points=confirm_points, steps=knee_steps,
+                                   trace_rate=settings.trace.model.rate if settings.trace
+                                   else None)
     try:
         doc = run_tune(settings, profiler, confirmer, progress)
     except KeyboardInterrupt:
@@ -131,6 +144,7 @@ def _settings(app: App, base: Topology, gpus: str | None, slo: str, budget: str,
               opts: dict[str, Any]) -> Settings:
     """The options as the tune loop's settings (--out defaults to <state>/tune/<name>)."""
     from epdctl.bench.workload import LoadPoint, Workload, parse_image_size, parse_slo
+    from epdctl.cli._tune_trace import trace_workloads
     from epdctl.errors import BenchError
     from epdctl.topology.model import parse_duration
     from epdctl.tune.facts import model_facts
@@ -151,22 +165,41 @@ def _settings(app: App, base: Topology, gpus: str | None, slo: str, budget: str,
                         image_size=parse_image_size(opts["image_size"]),
                         input_len=opts["input_len"], output_len=opts["output_len"], slo=pairs)
     facts = model_facts(base.model, facts_file)
+    out = (out_dir or app.state_root / "tune" / base.name).absolute()
+    traced = trace_workloads(opts, workload, facts, out)
+    if traced is not None:
+        workload = traced[0]
     memory = None
     if base.device == "cuda":
         from epdctl.host.gpus import describe_gpus
 
         memory = min((g.total_bytes for g in describe_gpus() if g.total_bytes), default=None)
-    out = (out_dir or app.state_root / "tune" / base.name).absolute()
     return Settings(base=base, gpus=_devices(base, gpus), workload=workload,
                     slo=Slo(limits.get("ttft"), limits.get("tpot")), facts=facts,
                     gpu_memory=memory, out_dir=out, budget_s=budget_s,
-                    max_confirm=max_confirm)
+                    max_confirm=max_confirm, trace=traced[1] if traced else None)
+
+
+def _confirmed(settings: Settings, topology_path: Path) -> Workload:
+    """What confirmations send: the workload, or the trace replayed (refused in one line
+    where the base's engine cannot take its requests: the candidates share its args)."""
+    from epdctl.bench.arms import Arm
+    from epdctl.bench.senders import check
+    from epdctl.cli._tune_trace import replayed
+
+    if settings.trace is None:
+        return settings.workload
+    workload = replayed(settings.workload, settings.trace)
+    check([Arm(settings.base.name, "extra", settings.base, topology_path)], workload)
+    return workload
 
 
 def _print_report(app: App, doc: dict[str, Any]) -> None:
     """The report as text on stdout: the table, the verdict, what was left out, hints."""
-    from epdctl.cli._tune_render import hints, left_out, text_table
+    from epdctl.cli._tune_render import hints, left_out, text_table, trace_line
 
+    if trace_line(doc):
+        app.out.print(trace_line(doc), markup=False)
     app.out.print(text_table(doc), markup=False)
     app.out.print(f"best measured: {doc['best'] or '-'}; stopped: {doc['stop_reason']}",
                   markup=False)

@@ -109,32 +109,44 @@ class LiveProfiler:
 class LiveConfirmer:
     def __init__(self, workload: Workload, state_root: Path, out_dir: Path, *,
                  timeout_s: float, progress: Progress, points: int = CONFIRM_POINTS,
-                 steps: int = KNEE_STEPS) -> None:
+                 steps: int = KNEE_STEPS, trace_rate: float | None = None) -> None:
         self.workload, self.state_root, self.out_dir = workload, state_root, out_dir
         self.timeout_s, self.progress = timeout_s, progress
         self.factors, self.steps = KNEE_FACTORS[points], steps
+        self.trace_rate = trace_rate
+        """A trace's mean rate at speed 1 (workload.trace): a rate R is replayed at speed
+        R / trace_rate."""
 
     def __call__(self, candidate: Candidate, predicted: float) -> Measured:
         """Bench near the predicted knee (the grid rates KNEE_FACTORS steps from it), then
         further up or down until the knee is bracketed (at most `steps` more points); each
-        grid rate with its own requests (grid_seed), the same for every candidate."""
+        grid rate with its own requests (grid_seed), the same for every candidate. A trace
+        fixes the arrivals (a grid rate is a speed of it); the grid seed still gives each
+        rate its own bodies (words and pixels), the same for every candidate."""
         rates = confirmation_rates(predicted, self.factors, self.steps)
         return self.measure(candidate, rates,
                             bracketing(rates, len(self.factors), self.steps),
                             seeds=[grid_seed(r) for r in rates])
 
+    def _point(self, rate: float, seed: int | None) -> LoadPoint:
+        """A Poisson rate's load point, or the trace's at the speed of that mean rate."""
+        if self.workload.trace is None:
+            return LoadPoint(rate, seed=seed)
+        if not self.trace_rate:
+            raise ValueError("a trace's confirmation needs its rate (trace_rate)")
+        return LoadPoint(speed=round(rate / self.trace_rate, 6), seed=seed)
+
     def measure(self, candidate: Candidate, rates: Sequence[float],
                 wanted: Callable[[int, Sequence[PointRun]], bool] | None = None,
                 seeds: Sequence[int] | None = None) -> Measured:
-        """Bench the candidate at these Poisson rates (one start; `wanted`: run_arms';
-        `seeds`: each point's, else the workload's numbering); its measured knee (over the
-        finite rates)."""
+        """Bench the candidate at these rates (req/s: Poisson, or a trace at the speeds of
+        these mean rates) in one start (`wanted`: run_arms'; `seeds`: each point's, else
+        the workload's numbering); its measured knee (over the finite rates)."""
         from epdctl.bench.arms import Arm, image_limit
         from epdctl.bench.runner import greedy_prompts, run_arms
 
         workload = replace(self.workload, points=tuple(
-            LoadPoint(r, seed=None if seeds is None else seeds[i])
-            for i, r in enumerate(rates)))
+            self._point(r, None if seeds is None else seeds[i]) for i, r in enumerate(rates)))
         path = write_topology(candidate.topology,
                               self.out_dir / "candidates" / f"{candidate.name}.yaml")
         arm = Arm(candidate.name, "extra", candidate.topology, path)

@@ -38,6 +38,8 @@ from epdctl.tune.model import (
 )
 from epdctl.tune.probes import HANDOFF, Measurements, probe_shapes
 from epdctl.tune.profile import mean
+from epdctl.tune.traced import TraceTune
+from epdctl.tune.tracemodel import TracePrediction, predict_trace
 
 PROFILES = "profiles.json"
 CONFIRMED = "confirmed.json"
@@ -66,6 +68,9 @@ class Settings:
     budget_s: float = 45 * 60.0
     max_confirm: int = MAX_CONFIRM
     sim_requests: int = 300
+    trace: TraceTune | None = None
+    """`--trace`/`--mix`: predicted over the trace (predict_trace), confirmed by replaying it;
+    `workload` is then the shape profiled (the trace's typical image-bearing request)."""
 
 
 @dataclass
@@ -76,6 +81,8 @@ class Row:
     corrected: float | None = None
     """The prediction corrected by the measurements (decide.corrected)."""
     missing: list[str] = field(default_factory=list)
+    traced: TracePrediction | None = None
+    """Over a trace: its speed at the knee and per class (`prediction` is its overall)."""
 
     @property
     def stage(self) -> str | None:
@@ -98,7 +105,16 @@ class Row:
                 "measured_goodput": m.goodput if m else None,
                 "measured_interval": [m.low, m.high] if m and m.low is not None else None,
                 "measured_points": [list(p) for p in m.points] if m else None,
-                "prediction_error": error, "not_profiled": self.missing}
+                "prediction_error": error, "not_profiled": self.missing,
+                **(_classes(self.traced) if self.traced else {})}
+
+
+def _classes(traced: TracePrediction) -> dict[str, Any]:
+    """A trace prediction's speed and per-class figures, for report.json."""
+    return {"speed": traced.speed, "classes": {
+        name: {"requests": c.requests, "attainment": c.attainment, "ttft_ms": c.ttft_ms,
+               "tpot_ms": c.tpot_ms, "delay_ms": c.delay_ms,
+               "binding_stage": c.binding_stage} for name, c in traced.classes.items()}}
 
 
 def _load(path: Path, key: str) -> dict[str, Any]:
@@ -121,10 +137,18 @@ def _save(path: Path, key: str, entries: dict[str, Any]) -> None:
 
 
 def store_key(settings: Settings) -> str:
-    """What profiles and confirmations depend on: the workload's shape, the SLO, the base."""
+    """What profiles depend on: the workload's shape (a trace's: the one profiled), the SLO,
+    the base."""
     shape = {k: v for k, v in settings.workload.as_json().items() if k != "points"}
     return json.dumps({"workload": shape, "slo": [settings.slo.ttft_ms, settings.slo.tpot_ms],
                        "base": settings.base.model_dump(mode="json")}, sort_keys=True)
+
+
+def confirm_key(settings: Settings) -> str:
+    """What confirmations depend on: store_key's, and the trace they replayed."""
+    if settings.trace is None:
+        return store_key(settings)
+    return json.dumps([store_key(settings), settings.trace.as_json()], sort_keys=True)
 
 
 def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Profiler,
@@ -179,7 +203,10 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
     started = clock()
     w = settings.workload
     tokens = request_tokens(settings.facts, w.images, w.image_size, w.input_len, w.output_len)
-    limits = limits_for(settings.base, settings.facts, settings.gpu_memory, tokens)
+    longest = max((a.request.prompt_tokens + a.request.output_tokens
+                   for a in settings.trace.model.arrivals), default=0) if settings.trace else 0
+    limits = limits_for(settings.base, settings.facts, settings.gpu_memory,
+                        max(tokens, longest))  # memory for the trace's longest request
     kept, left_out = candidates(settings.base, settings.gpus, settings.facts, limits)
     progress.line(f"{len(kept)} candidates on {len(settings.gpus)} device(s); "
                   f"{len(left_out)} left out (memory)")
@@ -197,7 +224,9 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
     ranked = sorted((r for r in rows if r.prediction), key=lambda r: -r.prediction.goodput
                     if r.prediction else 0.0)
     progress.line(f"predicted {len(ranked)}; best {ranked[0].candidate.name} "
-                  f"{ranked[0].prediction.goodput:.3g} req/s" if ranked and ranked[0].prediction
+                  f"{ranked[0].prediction.goodput:.3g} req/s"
+                  + (f" (the trace at {ranked[0].traced.speed:.3g}x)" if ranked[0].traced
+                     else "") if ranked and ranked[0].prediction
                   else "nothing could be predicted")
     kinds = {r.candidate.name: r.candidate.shape.kind for r in rows}
     decision, measured = _confirm(settings, rows, ranked, not_profiled, confirmer,
@@ -213,6 +242,7 @@ def tune(settings: Settings, profiler: Profiler, confirmer: Confirmer, progress:
         "best_goodput": best.goodput if best else None,
         "best_reason": why,
         "workload": {k: v for k, v in w.as_json().items() if k != "points"},
+        **({"trace": settings.trace.as_json()} if settings.trace else {}),
         "elapsed_s": round(clock() - started, 1),
         "profile": {k: asdict(v) for k, v in profile.stages.items()},
         "handoffs": {"ec_ms": round(profile.ec_handoff_ms, 3),
@@ -227,7 +257,13 @@ def _predicted(kept: Sequence[Candidate], profile: Profile, req: RequestShape,
     rows = [Row(c) for c in kept]
     for row in rows:
         row.missing = profile.missing(row.candidate.shape)
-        if not row.missing:
+        if row.missing:
+            continue
+        if settings.trace is not None:
+            row.traced = predict_trace(row.candidate.shape, profile, settings.trace.model,
+                                       settings.slo)
+            row.prediction = row.traced.prediction
+        else:
             row.prediction = predict(row.candidate.shape, profile, req, settings.slo,
                                      requests=settings.sim_requests,
                                      seconds=settings.workload.point_seconds)
@@ -248,7 +284,7 @@ def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
     aggregated = [r.candidate.name for r in ranked if r.candidate.shape.kind == "aggregated"]
     must = aggregated[:1]
     confirmed_path = settings.out_dir / CONFIRMED
-    kept_runs, measured = _kept_confirmations(confirmed_path, store_key(settings), by_name,
+    kept_runs, measured = _kept_confirmations(confirmed_path, confirm_key(settings), by_name,
                                               progress)
     predicted = [(r.candidate.name, r.prediction.goodput) for r in ranked if r.prediction]
     cost_s = 0.0
@@ -276,7 +312,7 @@ def _confirm(settings: Settings, rows: Sequence[Row], ranked: Sequence[Row],
                                                                 row.prediction.goodput)
         cost_s = max(cost_s, clock() - t0)
         kept_runs[row.candidate.name] = _kept(row.measured)
-        _save(confirmed_path, store_key(settings), kept_runs)
+        _save(confirmed_path, confirm_key(settings), kept_runs)
         spent = clock() - started
         left = min(settings.budget_s - spent,
                    cost_s * max(settings.max_confirm - len(measured), 0))
