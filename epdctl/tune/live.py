@@ -31,7 +31,10 @@ from epdctl.tune.search import (
 )
 
 if TYPE_CHECKING:
-    from epdctl.bench.runner import PointRun
+    from epdctl.bench.runner import ArmRun, PointRun
+
+POINTS = "points.json"
+"""Per candidate, in --out's bench/<name>/: the load points its confirmation ran."""
 
 
 def use_sim_bench_command() -> None:
@@ -155,9 +158,11 @@ class LiveConfirmer:
                           progress=_RunnerProgress(self.progress),
                           prompts=greedy_prompts(image_limit(candidate.topology))[:1],
                           wanted=wanted or (lambda index, done: True))
+        _write_points(self.out_dir / "bench" / candidate.name / POINTS, workload, rates, run)
         points = tuple((rates[p.index], share) for p in run.points
                        if (share := attainment(p.figures)) is not None
                        and math.isfinite(rates[p.index]))
+
         def samples_at(rate: float | None) -> tuple[Round, ...]:
             return tuple(p.samples for p in run.points
                          if p.samples is not None and rate is not None
@@ -166,6 +171,18 @@ class LiveConfirmer:
         return Measured(candidate.name, knee(points), points=points,
                         samples=samples_at(knee_rate(points)),
                         above=samples_at(above_knee(points)))
+
+
+def _write_points(path: Path, workload: Workload, rates: Sequence[float], run: ArmRun) -> None:
+    """What each load point run was: its rate, its load point (a trace's speed), the share
+    within the SLO, and the sender's command line."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([
+        {"rate": rates[p.index], **workload.points[p.index].as_json(),
+         "attainment": attainment(p.figures), "argv": list(p.argv)}
+        for p in sorted(run.points, key=lambda p: p.seq)], indent=2) + "\n")
 
 
 def figures_of(measured: Measured) -> dict[str, Any]:

@@ -102,3 +102,75 @@ def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> 
         assert len(entry["above"]) == (above_knee(points) is not None), entry["points"]
     assert load_topology(best).name == doc["best"]
 
+
+
+def _trace_file(tmp_path: Path, gap_ms: float = 250.0, media: str = "image") -> Path:
+    """24 requests, 4 a second: text only, one image, two images (64x64), in turn."""
+    item = {"type": media, "width": 64, "height": 64}
+    lines = []
+    for i in range(24):
+        line: dict[str, Any] = {"timestamp": i * gap_ms, "input_length": 16,
+                                "output_length": 8, "stream": True}
+        if i % 3:
+            line["media"] = [item] * (i % 3)
+        lines.append(json.dumps(line))
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("make", "args", "message"), [
+    (lambda p: _trace_file(p, media="video"), [], "no cost for video or audio"),
+    (lambda p: _trace_file(p, gap_ms=0.0), [], "its requests arrive at once"),
+    (_trace_file, ["--images", "2"], "--trace cannot go with --images"),
+    (_trace_file, ["--num-prompts", "5"], "--trace cannot go with --num-prompts"),
+    (None, ["--limit", "5"], "--limit applies to a trace"),
+    (None, ["--mix", "text:0.5,video:0.5"], "no cost for video or audio"),
+    (None, ["--mix", "text:1"], "no request has an image"),
+    (None, ["--mix", "image:1", "--images", "2"], "--mix cannot go with --images"),
+])
+def test_a_trace_tune_cannot_take_is_refused_in_one_line(
+        epdctl: Callable[..., Result], tmp_path: Path, make: Any, args: list[str],
+        message: str) -> None:
+    trace = ["--trace", str(make(tmp_path))] if make else []
+    result = epdctl("tune", str(_base(tmp_path)), "--slo", "ttft=500", *trace, *args,
+                    "--out", str(tmp_path / "out"), env={"EPDCTL_FAKE_GPUS": "1"})
+    assert result.exit_code == 1, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.slow  # ~40 s on a loaded 2-core machine: four topologies up and down
+@pytest.mark.timeout(300)
+def test_tune_for_a_trace_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path
+                                          ) -> None:
+    """Profiled at the `image` class's typical request, predicted per class, confirmed by
+    replaying the trace at speeds (each candidate's points.json: the replayer's argv)."""
+    out = tmp_path / "out"
+    result = epdctl("tune", str(_base(tmp_path)), "--slo", "ttft=2000,tpot=200",
+                    "--trace", str(_trace_file(tmp_path)), "--image-size", "64x64",
+                    "--model-facts", str(tmp_path / "cost.yaml"), "--out", str(out),
+                    env={"EPDCTL_FAKE_GPUS": "1", "EPDCTL_FAKE_GPU_MEMORY": "24GiB",
+                         "EPDCTL_PROXY_COMMAND": "", "EPDCTL_BENCH_COMMAND": ""})
+    assert result.exit_code == 0, result.output
+    assert "profiled at class `image`'s typical request: 1 image(s) of 64x64" in result.stdout
+    assert "binding stage" in result.stdout
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["trace"]["classes"] == {"image": 8, "image2": 8, "text": 8}
+    assert doc["trace"]["rate"] == pytest.approx(4.0)
+    assert (doc["workload"]["images"], doc["workload"]["input_len"]) == (1, 16)
+    for c in doc["candidates"]:
+        assert set(c["classes"]) == {"image", "image2", "text"}, c
+        assert all(0 <= k["attainment"] <= 1 for k in c["classes"].values())
+        assert c["predicted_goodput"] == pytest.approx(4.0 * c["speed"], rel=1e-3)
+    confirmed = [c for c in doc["candidates"] if c["measured_goodput"] is not None]
+    assert confirmed
+    for c in confirmed:
+        points = json.loads((out / "bench" / c["name"] / "points.json").read_text())
+        assert points and len(points) == len(c["measured_points"])
+        for p in points:
+            argv = p["argv"]
+            assert "epdctl.bench.replay" in argv and "--trace" in argv
+            assert float(argv[argv.index("--speed") + 1]) == pytest.approx(
+                p["rate"] / 4.0, rel=1e-3)
+    assert "Per class" in (out / "report.md").read_text()
