@@ -248,7 +248,7 @@ async def _profile(http: Http, specs: dict[str, SpecModel], shape: Shape, bodies
                 send, d.url, lambda n: bodies.chat(20_000 + n, DECODE_TOKENS, True), levels,
                 at.tpot_ms, _max_seqs(d), _prefilled(http, p.url, e_url))
             out.series["decode"] = s2.as_json()
-        out.stages[d_key] = replace_seqs(decode, _max_seqs(d))
+        out.stages[d_key] = replace(decode, max_seqs=seqs) if (seqs := _max_seqs(d)) else decode
         one = await d_send(d.url, bodies.chat(30_000, DECODE_TOKENS, True))
         step = decode.ms(0, 0, 1, 0) / 1000
         out.kv_ms = max((one.first - one.start - step) * 1000, 0.0)
@@ -314,10 +314,6 @@ async def _beside_busy_encoder(send: Send, e_url: str, bodies: Bodies, upstream:
         stop.set()
         await asyncio.gather(*busy, return_exceptions=True)
     return series.values[0]
-
-
-def replace_seqs(cost: StepCost, max_seqs: int | None) -> StepCost:
-    return replace(cost, max_seqs=max_seqs) if max_seqs else cost
 
 
 async def _encode(http: Http, e_url: str, body: dict[str, Any]) -> None:
