@@ -12,7 +12,7 @@ from typing import Any
 
 from epdctl.bench.estimates import FIGURES, Summary, summarize
 from epdctl.bench.samples import Round
-from epdctl.bench.verdicts import Comparison
+from epdctl.bench.verdicts import TOO_FEW, Comparison
 
 RATIOS = ("request_goodput", "request_throughput", "ttft_p50_ms", "ttft_p90_ms",
           "tpot_mean_ms")
@@ -91,7 +91,7 @@ def comparisons(base: Comparison, mine: Mapping[str, Summary], theirs: Mapping[s
             continue
         skipped.append({"point": base.point, "load": base.load, "arm": base.arm,
                         "reference": base.ref, "kind": "none", "decided": False, "n": n,
-                        "reason": "too few requests", "level": None, "figures": {},
+                        "reason": TOO_FEW, "level": None, "figures": {},
                         "text": f"`{base.arm}` vs `{base.ref}`: not judged, {n} request(s) of "
                         f"this class, {MIN_REQUESTS} needed", "starts_measured": False,
                         "starts": {base.arm: s.starts, base.ref: other.starts if other else 0},

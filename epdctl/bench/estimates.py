@@ -231,13 +231,22 @@ def t_quantile(p: float, df: int) -> float:
     return (low + high) / 2.0
 
 
+def expanded_z(level: float, n: int) -> float:
+    """The normal quantile that covers `level` (two-sided) on n samples, expanded as
+    `expanded` does. Kept as a z: on few samples, at the levels a report's many ratios ask
+    for, it passes 8.3, where the level it stands for rounds to 1.0 (n=2 at 95 %: z=18)."""
+    p = 1.0 - (1.0 - level) / 2.0
+    if n < 2:
+        return statistics.NormalDist().inv_cdf(p)
+    return math.sqrt(n / (n - 1)) * t_quantile(p, n - 1)
+
+
 def expanded(level: float, n: int) -> float:
     """The level to take a percentile interval at so that it covers `level` on n samples
     (Hesterberg's expanded percentile interval: the bootstrap is too narrow on small n)."""
     if n < 2:
         return level
-    z = math.sqrt(n / (n - 1)) * t_quantile(1.0 - (1.0 - level) / 2.0, n - 1)
-    return 2.0 * statistics.NormalDist().cdf(z) - 1.0
+    return 2.0 * statistics.NormalDist().cdf(expanded_z(level, n)) - 1.0
 
 
 def interval(values: Sequence[float], level: float = LEVEL, n: int = 0) -> tuple[float, float]:
@@ -263,6 +272,11 @@ class Summary:
     by_start: dict[str, list[float]] = field(default_factory=dict)
     """Figure -> its estimate from each start's rounds alone (a round the arm stayed up for
     shares its start with the round before; starts with none left out)."""
+    has_spread: bool = True
+    """Whether a round of it completed two requests or more: one request resamples to
+    itself, so over rounds of one request each a bootstrap within rounds shows no spread
+    whatever the truth. No interval stands on that: a ratio's never (`verdicts`), the
+    table's only where it resamples the rounds themselves (OVER_ROUNDS)."""
 
     @property
     def starts(self) -> int:
@@ -275,6 +289,7 @@ def summarize(rounds: Sequence[Round], has_slo: bool, seed: int,
     """Estimates and intervals of FIGURES over the rounds, reproducible for a given seed;
     `starts`: which start of the arm each round came from (None: a start of its own)."""
     n = sum(len(r.requests) for r in rounds)
+    has_spread = any(len(r.requests) >= 2 for r in rounds)
     estimate = figures([(r, r.requests) for r in rounds], has_slo)
     unsupported = {name: f"n<{needs(q)}" for name, q in PERCENTILES.items() if n < needs(q)}
     if estimate["tpot_mean_ms"] is None and n:
@@ -296,7 +311,8 @@ def summarize(rounds: Sequence[Round], has_slo: bool, seed: int,
         shown = name not in unsupported and estimate[name] is not None and values
         replicates[name] = values if shown else []
         spread = over[name][~np.isnan(over[name])].tolist()
-        ci[name] = interval(spread, LEVEL, unit) if shown and spread else None
+        ci[name] = interval(spread, LEVEL, unit) if shown and spread and (
+            has_spread or len(rounds) >= OVER_ROUNDS) else None
         if not shown:
             estimate[name] = None
     groups: dict[int, list[Round]] = {}
@@ -306,4 +322,4 @@ def summarize(rounds: Sequence[Round], has_slo: bool, seed: int,
                  groups.values() if any(r.requests for r in group)]
     by_start = {name: [v for f in per_start if (v := f[name]) is not None]
                 for name in FIGURES if estimate[name] is not None}
-    return Summary(n, estimate, ci, unsupported, replicates, by_start)
+    return Summary(n, estimate, ci, unsupported, replicates, by_start, has_spread)

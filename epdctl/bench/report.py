@@ -13,7 +13,7 @@ from epdctl.bench.arms import Arm
 from epdctl.bench.estimates import FIGURES, Summary, summarize
 from epdctl.bench.runner import ArmRun, PointRun
 from epdctl.bench.samples import Round
-from epdctl.bench.verdicts import Comparison, judge
+from epdctl.bench.verdicts import TOO_FEW, Comparison, judge
 from epdctl.bench.workload import Workload
 from epdctl.verifier.prompts import Prompt
 
@@ -158,8 +158,10 @@ def finish(doc: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 
 def is_undecided(doc: Mapping[str, Any]) -> bool:
     """Whether a load point's verdict is still undecided (--until-significant); a shape
-    class's is not waited for: a rare class may never have the requests to decide."""
-    return any(not v["decided"] for v in doc["verdicts"] if not v.get("class"))
+    class's is not waited for: a rare class may never have the requests to decide, nor is
+    one of too few requests a round (more rounds of one request give no interval)."""
+    return any(not v["decided"] for v in doc["verdicts"]
+               if not v.get("class") and v.get("reason") != TOO_FEW)
 
 
 def correctness(runs: Sequence[ArmRun], prompts: Sequence[Prompt]) -> dict[str, Any]:

@@ -17,7 +17,9 @@ degree of freedom, and a verdict only for a very large difference; --rounds 4 or
 --until-significant for more). With one start per arm nothing measures it, and a verdict
 from the requests alone would be right no more often than chance (two identical topologies
 on one CPU machine came out 2.30x apart on req/s between starts): every comparison is then
-`undecided`, "one start per arm", its ratios shown as figures only."""
+`undecided`, "one start per arm", its ratios shown as figures only. So is a comparison
+where no round of an arm completed two requests ("too few requests"): a request resampled
+alone shows no spread, and no interval stands on it."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from epdctl.bench.estimates import Summary, expanded, t_quantile
+from epdctl.bench.estimates import Summary, expanded_z, t_quantile
 
 SAME = 0.05
 """Ratios within 5 % of 1 count as on par."""
@@ -35,6 +37,9 @@ ERROR = 0.05
 """The chance, over the whole report, of calling a difference that is not there."""
 ONE_START = "one start per arm"
 """Why a comparison is undecided where nothing measured the spread between starts."""
+TOO_FEW = "too few requests"
+"""Why a comparison is undecided where an arm's requests support no interval: none of its
+rounds completed two (`Summary.has_spread`)."""
 LABELS = {"request_goodput": "goodput", "request_throughput": "req/s",
           "ttft_p50_ms": "TTFT p50", "ttft_p90_ms": "TTFT p90", "tpot_mean_ms": "TPOT"}
 LATENCIES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_mean_ms")
@@ -90,7 +95,9 @@ def between(summaries: Sequence[tuple[str, Summary]], name: str) -> Between:
     per_arm: dict[str, int] = {}
     for arm, s in summaries:
         logs, reps = _logs(s.by_start.get(name) or []), _logs(s.replicates.get(name) or [])
-        if len(logs) < 2 or len(reps) < 2:
+        # Rounds of one request each: a bootstrap variance of 0 says nothing of what
+        # sampling gives, and weighted by its inverse such a cell would outweigh every other.
+        if len(logs) < 2 or len(reps) < 2 or not s.has_spread:
             continue
         # The bootstrap variance of the estimate over k starts; one start's is k times it.
         sampling = max(statistics.pvariance(reps) * len(logs), 1e-12)
@@ -114,7 +121,9 @@ def ratio_interval(mine: Summary, theirs: Summary, name: str, level: float,
     extra = spread_between.variance * (1.0 / mine.starts + 1.0 / theirs.starts)
     n = min(mine.n, theirs.n)  # small samples: t, and the bootstrap's narrowness undone
     p = 1.0 - (1.0 - level) / 2.0
-    z = statistics.NormalDist().inv_cdf(1.0 - (1.0 - expanded(level, n)) / 2.0)
+    # The expanded z itself, not the level it stands for: on few requests that level is 1.0
+    # in floating point, and no normal quantile answers it.
+    z = expanded_z(level, n)
     if spread_between.df:
         # Student's t at the between part's own degrees of freedom, however small its
         # estimate came out: a variance from one or two starts can come out near 0 by
@@ -143,8 +152,8 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
     interval covers the requests alone. `should_judge_one_start`: give it one anyway, from
     the requests (tune's choice between candidates run once each; never bench's)."""
     names = judged(has_slo)
-    tests = {(i, n) for i, c in enumerate(comparisons) if not c.failed for n in names
-             if c.mine.replicates.get(n) and c.theirs.replicates.get(n)}
+    tests = {(i, n) for i, c in enumerate(comparisons) if not c.failed and _has_spread(c)
+             for n in names if c.mine.replicates.get(n) and c.theirs.replicates.get(n)}
     level = 1.0 - error / max(len(tests), 1)
     # How far starts land apart is measured on whole load points; a class's requests are
     # a subset of its point's, on the same starts, and take the same spread.
@@ -156,7 +165,11 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
     out = []
     for index, c in enumerate(comparisons):
         figures: dict[str, dict[str, Any]] = {}
+        lacks_spread = not c.failed and not _has_spread(c)
         for name in names:
+            if lacks_spread:  # figures only: no interval, no side, no share of the budget
+                figures.update(_ratio_only(c, name, spread[name]))
+                continue
             if (index, name) not in tests:
                 continue
             bounds = ratio_interval(c.mine, c.theirs, name, level, spread[name])
@@ -174,13 +187,14 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
                              "ci": [round(lo, 4), round(hi, 4)], "side": side,
                              "between_df": spread[name].df}
         measured = any(spread[k].df for k in figures)
-        is_one_start = bool(figures) and not measured and not c.failed
+        is_too_few = lacks_spread and bool(figures)
+        is_one_start = bool(figures) and not measured and not c.failed and not is_too_few
         kind, text = _text(c, figures, same)
         if is_one_start and not should_judge_one_start:
             kind, text = "undecided", _one_start_text(c, figures)
         elif is_one_start:
             text += " (one start per arm: how far a start lands from the next is not measured)"
-        elif kind == "undecided":
+        elif kind == "undecided" and not is_too_few:
             df = max(spread[k].df for k in figures)
             text += (f" (starts: `{c.arm}` {c.mine.starts}, `{c.ref}` {c.theirs.starts}, "
                      f"{df} degree{'s' if df > 1 else ''} of freedom between them; more "
@@ -188,11 +202,38 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
         n = min(c.mine.n, c.theirs.n)
         out.append({"point": c.point, "load": c.load, "arm": c.arm, "reference": c.ref,
                     "kind": kind, "decided": kind not in ("undecided", "none"), "n": n,
-                    "reason": ONE_START if is_one_start and kind == "undecided" else None,
-                    "level": round(level, 5), "figures": figures, "text": text,
+                    "reason": TOO_FEW if is_too_few else
+                    ONE_START if is_one_start and kind == "undecided" else None,
+                    "level": None if is_too_few else round(level, 5), "figures": figures,
+                    "text": text,
                     "starts_measured": measured,
                     "starts": {c.arm: c.mine.starts, c.ref: c.theirs.starts}})
     return out
+
+
+def _has_spread(c: Comparison) -> bool:
+    return c.mine.has_spread and c.theirs.has_spread
+
+
+def _ratio_only(c: Comparison, name: str, spread: Between) -> dict[str, dict[str, Any]]:
+    """A ratio as a figure without an interval (nothing where an arm has no estimate)."""
+    a, b = c.mine.estimate.get(name), c.theirs.estimate.get(name)
+    if a is None or not b or not c.mine.replicates.get(name) \
+            or not c.theirs.replicates.get(name):
+        return {}
+    return {name: {"ratio": round(a / b, 4), "ci": None, "side": "undecided",
+                   "between_df": spread.df}}
+
+
+def _too_few_text(c: Comparison, figures: dict[str, dict[str, Any]]) -> str:
+    """The ratios, said as figures and not as a verdict: an arm's requests show no spread."""
+    shown = "; ".join(f"{LABELS[k]} {f['ratio']:.2f}x" for k, f in figures.items())
+    who = " and ".join(f"`{arm}`" for arm, s in ((c.arm, c.mine), (c.ref, c.theirs))
+                       if not s.has_spread)
+    return (f"`{c.arm}` vs `{c.ref}`: undecided ({TOO_FEW}); figures only, not a verdict: "
+            f"{shown} (no round of {who} completed two requests: one request resamples to "
+            "itself and shows no spread, so no interval stands on it; more requests per load "
+            "point for one)")
 
 
 def _one_start_text(c: Comparison, figures: dict[str, dict[str, Any]]) -> str:
@@ -209,6 +250,8 @@ def _text(c: Comparison, figures: dict[str, dict[str, Any]], same: float) -> tup
         return "not_comparable", f"`{c.arm}` vs `{c.ref}`: not comparable ({which})"
     if not figures:
         return "none", f"`{c.arm}` vs `{c.ref}`: no figures to compare"
+    if not _has_spread(c):
+        return "undecided", _too_few_text(c, figures)
     n = min(c.mine.n, c.theirs.n)
     said = {s: [_fmt(k, f["ratio"], tuple(f["ci"])) for k, f in figures.items()  # type: ignore[arg-type]
                 if f["side"] == s] for s in ("better", "worse")}

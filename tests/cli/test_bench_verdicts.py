@@ -138,3 +138,31 @@ def test_the_help_gives_the_default_and_why(bench: Bench) -> None:
     text = " ".join(result.stdout.split())
     assert "Default 2, the fewest that give a verdict, on cpu and cuda alike" in text
     assert "1 gives the figures without a verdict." in text
+
+
+
+@pytest.mark.timeout(300)
+def test_two_requests_at_six_rates_give_a_report(bench: Bench, epdctl: Callable[..., Result],
+                                                a_a: tuple[str, ...], tmp_path: Path) -> None:
+    """6 load points of 2 requests each in 2 rounds (12 ratios, each interval at
+    1 - 0.05 / 12) once ended in a StatisticsError traceback: the figures, and no verdict;
+    `bench compare` of such a run too. (One warm-up request: the fake bench learns from it
+    which start of an arm it runs on.)"""
+    out = tmp_path / "out"
+    result = bench(*a_a, "--request-rate", "1,2,3,4,5,6", "--num-prompts", "2",
+                   "--input-len", "8", "--output-len", "4", "--warmup", "1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stdout.splitlines() if "`copy` vs `epd`" in line]
+    assert [line.split(": req/s")[0] for line in lines] == [
+        f"{rate} req/s: `copy` vs `epd`: no significant difference at n=4"
+        for rate in range(1, 7)], result.stdout
+    assert not VERDICT_WORDS.search(result.stdout), result.stdout
+    doc = json.loads((out / "report.json").read_text())
+    assert [r["n"] for r in doc["results"]] == [4] * 12
+    for v in doc["verdicts"]:
+        assert (v["kind"], v["reason"], v["level"]) == ("undecided", None, 0.99583), v
+        assert all(f["ci"] for f in v["figures"].values()) and v["figures"]
+    shown = epdctl("bench", "compare", str(out), str(out))
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.count("`B:epd` vs `A:epd`: no significant difference at n=4") == 6
