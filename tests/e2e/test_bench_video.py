@@ -1,7 +1,8 @@
 """`epdctl bench topologies/cpu-qwen2vl.yaml --videos 1` for real: a video workload (vLLM's
 random-mm with a video bucket) completes every request in both arms, and E encoded each
 video once while PD loaded it from the store. No warm-up: test_bench_cpu_demo has one, and
-here it would be a `vllm bench serve` a start."""
+here it would be a `vllm bench serve` a start; one round (figures, no verdict: the
+workload is what is tested here)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def test_bench_video_workload_on_cpu_qwen2vl(tiny_qwen2vl: Path, tmp_path: Path)
     argv = [sys.executable, "-m", "epdctl", "--state-dir", str(state_root), "bench", str(path),
             "--max-concurrency", "2", "--num-prompts", str(NUM_PROMPTS), "--images", "0",
             "--videos", "1", "--video-frames", "4", "--image-size", "56", "--input-len", "32",
-            "--output-len", "8", "--warmup", "0", "--timeout", "400", "--json", "--out",
-            str(out)]
+            "--output-len", "8", "--warmup", "0", "--rounds", "1", "--timeout", "400",
+            "--json", "--out", str(out)]
     try:
         with release_new_semaphores():
             result = subprocess.run(argv, env=cli_env(), text=True, capture_output=True,
