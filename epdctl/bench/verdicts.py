@@ -170,22 +170,9 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
             if lacks_spread:  # figures only: no interval, no side, no share of the budget
                 figures.update(_ratio_only(c, name, spread[name]))
                 continue
-            if (index, name) not in tests:
-                continue
-            bounds = ratio_interval(c.mine, c.theirs, name, level, spread[name])
-            est_a, est_b = c.mine.estimate[name], c.theirs.estimate[name]
-            if bounds is None or est_a is None or not est_b:
-                continue
-            lo, hi = bounds
-            up = name not in LATENCIES
-            side = ("better" if up else "worse") if lo > 1 + same else \
-                ("worse" if up else "better") if hi < 1 - same else \
-                "same" if lo >= 1 - same and hi <= 1 + same else "undecided"
-            if not spread[name].df and not should_judge_one_start:
-                side = "undecided"
-            figures[name] = {"ratio": round(est_a / est_b, 4),
-                             "ci": [round(lo, 4), round(hi, 4)], "side": side,
-                             "between_df": spread[name].df}
+            if (index, name) in tests and (got := _figure(c, name, level, spread[name], same,
+                                                          should_judge_one_start)):
+                figures[name] = got
         measured = any(spread[k].df for k in figures)
         is_too_few = lacks_spread and bool(figures)
         is_one_start = bool(figures) and not measured and not c.failed and not is_too_few
@@ -209,6 +196,24 @@ def judge(comparisons: Sequence[Comparison], has_slo: bool, same: float = SAME,
                     "starts_measured": measured,
                     "starts": {c.arm: c.mine.starts, c.ref: c.theirs.starts}})
     return out
+
+
+def _figure(c: Comparison, name: str, level: float, spread: Between, same: float,
+            should_judge_one_start: bool) -> dict[str, Any] | None:
+    """One figure's ratio, interval and side (None: no interval can be had)."""
+    bounds = ratio_interval(c.mine, c.theirs, name, level, spread)
+    est_a, est_b = c.mine.estimate[name], c.theirs.estimate[name]
+    if bounds is None or est_a is None or not est_b:
+        return None
+    lo, hi = bounds
+    up = name not in LATENCIES
+    side = ("better" if up else "worse") if lo > 1 + same else \
+        ("worse" if up else "better") if hi < 1 - same else \
+        "same" if lo >= 1 - same and hi <= 1 + same else "undecided"
+    if not spread.df and not should_judge_one_start:
+        side = "undecided"
+    return {"ratio": round(est_a / est_b, 4), "ci": [round(lo, 4), round(hi, 4)],
+            "side": side, "between_df": spread.df}
 
 
 def _has_spread(c: Comparison) -> bool:

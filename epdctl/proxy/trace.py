@@ -6,12 +6,22 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from epdctl.proxy.request.traffic import Recorded
+from typing import Any, Protocol
 
 log = logging.getLogger("epdctl.proxy")
+
+
+class Recorded(Protocol):
+    """What a completion request's line records for a trace: request.traffic.Recorded (a
+    layer above this one), filled in by the stages that see each part."""
+
+    items: list[Any] | None
+    answer: bytes
+    events: int
+    waits: int | None
+    tail: bytes
+
+    def fields(self) -> list[str]: ...
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 from epdctl.proxy.answer import Answer
 from epdctl.proxy.deadlines import Entry, wheel
 from epdctl.proxy.errors import JSON_TYPE, ProxyError
-from epdctl.proxy.request.traffic import Recorded
+from epdctl.proxy.trace import Recorded
 
 Scope = MutableMapping[str, Any]
 
