@@ -26,10 +26,12 @@ def request(sdir: StateDir, name: str) -> None:
 
 
 def take(run_dir: Path) -> list[str]:
-    """The supervisor's side: the names asked for since it last looked (each once)."""
+    """The supervisor's side: the names asked for since it last looked (each once). A
+    request being written (write_file's `.NAME.*.tmp`, renamed into place) is not one yet:
+    taking it unlinked the file under the writer, whose rename then failed."""
     folder = run_dir / REQUESTS
     try:
-        names = sorted(p.name for p in folder.iterdir())
+        names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     except FileNotFoundError:
         return []
     for name in names:
