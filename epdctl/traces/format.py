@@ -18,7 +18,7 @@ import io
 import json
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -164,7 +164,8 @@ def read_trace(path: Path, limit: int | None = None) -> Trace:
                          f"{limit} (raise it, or cut the trace)")
     start = min(r.timestamp_ms for r in requests)
     ordered = sorted(requests, key=lambda r: r.timestamp_ms)  # stable: ties keep file order
-    return Trace(tuple(_shifted(r, start) for r in ordered), source=str(path), kind=kind)
+    return Trace(tuple(replace(r, timestamp_ms=r.timestamp_ms - start) for r in ordered),
+                 source=str(path), kind=kind)
 
 
 def write_trace(path: Path | TextIO, requests: Iterable[TraceRequest]) -> int:
@@ -272,12 +273,6 @@ def _media(item: Any, where: str) -> MediaItem:
     if ("width" in sizes) != ("height" in sizes):
         raise TraceError(f"{where}: give both `width` and `height`, or neither")
     return MediaItem(kind, **sizes)
-
-
-def _shifted(request: TraceRequest, start: float) -> TraceRequest:
-    from dataclasses import replace
-
-    return replace(request, timestamp_ms=request.timestamp_ms - start)
 
 
 def scaled(trace: Trace, speed: float) -> list[float]:
