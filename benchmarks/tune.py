@@ -63,6 +63,21 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _beside(name: str) -> Any:
+    """The benchmark module `name`.py beside this file (run as a script or loaded by path)."""
+    import importlib.util
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+tune_trace = _beside("tune_trace")
 SLO = {"encode-heavy": "ttft=3000,tpot=60", "decode-heavy": "ttft=3000,tpot=60",
        "sharing-sensitive": "ttft=3000,tpot=60"}
 """Each cost model's SLO (ms) at its own time scale, on REFERENCE_GPUS GPUs (slo_for)."""
@@ -204,24 +219,30 @@ def _base(tmp: Path, cost: Path, port_offset: int = 0, suffix: str = "") -> Path
     return path
 
 
-def wanted(index: int, done: Sequence[Any]) -> bool:
-    """Whether the sweep runs SEARCH[index], given the points it ran so far (PointRuns):
-    all at once first (the most req/s it serves then, X); then up from X/2 by sqrt(2)
-    until a rate misses the SLO for more than 10 % of its requests; then, only if even the
-    first of those missed, down until one holds it (or until not one request holds it at a
-    quarter of X or less: no load is light enough then). A rate far below the knee would take
-    num_prompts / rate to pass, a rate far above it about num_prompts / X to miss; so where
-    not one request of a rate held the SLO, the rates down to X/4 are skipped (the candidates
-    with no goodput at all, more than half of them on 8 GPUs, spent most of the sweep there),
-    and should X/4 hold, the ladder up again runs the rates skipped between it and the
-    lowest that missed, until one misses: the same bracket as one step at a time."""
+def wanted_in(search: Sequence[float]) -> Any:
+    """`wanted` over another SEARCH (a trace's: its first point a burst, TRACE_TOP)."""
+    return lambda index, done: wanted(index, done, search)
+
+
+def wanted(index: int, done: Sequence[Any], search: Sequence[float] = SEARCH) -> bool:
+    """Whether the sweep runs search[index] (SEARCH's by default), given the points it ran so far
+    (PointRuns): all at once first (the most req/s it serves then, X); then up from X/2 by
+    sqrt(2) until a rate misses the SLO for more than 10 % of its requests; then, only if
+    even the first of those missed, down until one holds it (or until not one request holds
+    it at a quarter of X or less: no load is light enough then). A rate far below the knee
+    would take num_prompts / rate to pass, a rate far above it about num_prompts / X to
+    miss; so where not one request of a rate held the SLO, the rates down to X/4 are skipped
+    (the candidates with no goodput at all, more than half of them on 8 GPUs, spent most of
+    the sweep there), and should X/4 hold, the ladder up again runs the rates skipped
+    between it and the lowest that missed, until one misses: the same bracket as one step at
+    a time."""
     from epdctl.tune.decide import ATTAINMENT, attainment
 
     if index == 0:
         return True
     top = float(done[0].figures.get("request_throughput") or 0.0)
-    ran = [(SEARCH[p.index], attainment(p.figures) or 0.0) for p in done[1:]]
-    rate = SEARCH[index]
+    ran = [(search[p.index], attainment(p.figures) or 0.0) for p in done[1:]]
+    rate = search[index]
     if index <= len(LADDER):  # going up
         return rate >= top / 2 and all(share >= ATTAINMENT for _, share in ran)
     if index <= 2 * len(LADDER):  # going down
@@ -238,14 +259,28 @@ def wanted(index: int, done: Sequence[Any]) -> bool:
     return max(held) < rate < min(missed, default=math.inf)
 
 
-def _sweep_one(candidate, workload, state_root: Path, out: Path) -> float:  # type: ignore[no-untyped-def]
-    """The candidate's measured knee, in one start (the points of SEARCH `wanted` picks),
-    interpolated between the highest rate that holds the SLO and the next one up."""
-    from epdctl.tune.decide import knee
-    from epdctl.tune.live import LiveConfirmer
+class ShapeJob:
+    """What the sweep, tune and the one measure of a run send for one request shape (a
+    trace's: tune_trace.TraceJob): the workload, the candidates tune considers, the sweep's
+    load points."""
 
-    confirm = LiveConfirmer(workload, state_root, out, timeout_s=120, progress=_Err())
-    return knee(confirm.measure(candidate, SEARCH, wanted=wanted).points)
+    def __init__(self, workload: Any, kept: list[Any]) -> None:
+        self.workload, self.kept = workload, kept
+        self.search: tuple[float, ...] = SEARCH
+
+    def confirmer(self, state: Path, out: Path, progress: Any) -> Any:
+        from epdctl.tune.live import LiveConfirmer
+
+        return LiveConfirmer(self.workload, state, out, timeout_s=120, progress=progress)
+
+
+def _sweep_one(candidate, job, state_root: Path, out: Path) -> float:  # type: ignore[no-untyped-def]
+    """The candidate's measured knee, in one start (the points of the job's search `wanted`
+    picks), interpolated between the highest rate that holds the SLO and the next one up."""
+    from epdctl.tune.decide import knee
+
+    confirm = job.confirmer(state_root, out, _Err())
+    return knee(confirm.measure(candidate, job.search, wanted=wanted_in(job.search)).points)
 
 
 class _Err:
@@ -262,7 +297,8 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path,
     from epdctl.tune.candidates import candidates, limits_for, request_tokens
     from epdctl.tune.facts import from_file
 
-    run_dir = out / f"{model}-{gpus}"
+    trace = getattr(args, "trace", None)
+    run_dir = out / (f"{model}-{gpus}-{trace.stem}" if trace else f"{model}-{gpus}")
     run_dir.mkdir(parents=True, exist_ok=True)
     _same_settings(run_dir, args, model, gpus)
     cost = _scaled(cost_file or ROOT / "examples" / "sim" / f"{model}.yaml", gpus, run_dir)
@@ -280,9 +316,14 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path,
                         point_seconds=args.point_seconds, images=1,
                         image_size=(512, 512), input_len=64, output_len=32,
                         slo=parse_slo(slo_for(model, gpus)))
-    tokens = request_tokens(facts, 1, (512, 512), 64, 32)
-    limits = limits_for(base, facts, 80 << 30, tokens)
-    kept, _ = candidates(base, list(range(gpus)), facts, limits)
+    if trace:
+        job: Any = tune_trace.job(trace, base, gpus, facts, workload)
+        job.search = (tune_trace.TRACE_TOP, *SEARCH[1:])
+    else:
+        tokens = request_tokens(facts, 1, (512, 512), 64, 32)
+        limits = limits_for(base, facts, 80 << 30, tokens)
+        job = ShapeJob(workload, candidates(base, list(range(gpus)), facts, limits)[0])
+    kept = job.kept
     progress = Progress.load(run_dir)
 
     def sweep_all(names: Sequence[Any]) -> None:
@@ -290,7 +331,7 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path,
             if c.name in progress.done:
                 continue  # measured by an earlier, interrupted run of this --out
             began = time.monotonic()
-            goodput = _sweep_one(c, workload, run_dir / f"state{suffix}",
+            goodput = _sweep_one(c, job, run_dir / f"state{suffix}",
                                  run_dir / f"sweep{suffix}")
             progress.add(c.name, c.shape.kind, goodput, time.monotonic() - began)
 
@@ -301,7 +342,7 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path,
     alone = Alone.load(run_dir)
     for name in alone.wanted(progress, args.check_alone):
         began = time.monotonic()
-        goodput = _sweep_one(next(c for c in kept if c.name == name), workload,
+        goodput = _sweep_one(next(c for c in kept if c.name == name), job,
                              run_dir / "state", run_dir / "alone")
         alone.add(name, goodput, time.monotonic() - began)
     doc, tune_s = _tuned(run_dir, base_path, model, gpus, cost, args)
@@ -314,7 +355,7 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path,
     (run_dir / "sweep.json").write_text(json.dumps(sweep, indent=2))
     best = max(g for _, g in sweep.values())
     sweep_best = max(sweep, key=lambda n: sweep[n][1])
-    ratio, means = _one_measure(run_dir, kept, workload, pick["name"], sweep_best, sweep)
+    ratio, means = _one_measure(run_dir, job, pick["name"], sweep_best, sweep)
     rows = {c["name"]: c for c in doc["candidates"]}
     both = [(rows[n]["predicted_goodput"], g) for n, (_, g) in sweep.items()
             if rows.get(n, {}).get("predicted_goodput") is not None]
@@ -327,21 +368,44 @@ def run_one(model: str, gpus: int, args: argparse.Namespace, out: Path,
             "cost_ratio": tune_s / sweep_full_s if sweep_full_s else float("inf"),
             "rank_spearman": spearman([a for a, _ in both], [b for _, b in both]),
             "agg_call": agg_call_right(sweep, pick["kind"]),
-            **alone.figures(progress, args.check_alone)}
+            **alone.figures(progress, args.check_alone),
+            **(_average(run_dir, base_path, model, gpus, cost, args, job, progress,
+                        pick["name"]) if trace else {})}
 
 
-def _one_measure(run_dir: Path, kept: Sequence[Any], workload: Any, pick: str, best: str,
-                 sweep: dict[str, tuple[str, float]]) -> tuple[float, dict[str, float]]:
-    """pick_ratio by the one-measure rule (OneMeasure): both confirmed as tune confirms,
-    around one centre (the geometric mean of their swept knees), so that they run the same
-    grid rates with the same arrivals."""
-    from epdctl.tune.live import LiveConfirmer
+def _average(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
+             args: argparse.Namespace, job: Any, progress: Progress, pick: str
+             ) -> dict[str, Any]:
+    """The trace tuned as its average single shape (tune-avg.json): that pick, and its
+    goodput on the trace over the mix-tuned pick's (AvgMeasure: both replaying the trace,
+    alternating); the average pick is swept on the trace first where the sweep did not."""
+    avg_args = tune_trace.average_args(args.trace, args.num_prompts, args.point_seconds)
+    doc, _ = _tuned(run_dir, base_path, model, gpus, cost, args, name="tune-avg",
+                    workload=avg_args)
+    avg = doc["best"]
+    by_name = {c.name: c for c in job.kept}
+    if avg not in by_name:
+        return {"avg_pick": avg, "avg_ratio": None, "avg_args": avg_args}
+    if avg not in progress.done:
+        began = time.monotonic()
+        goodput = _sweep_one(by_name[avg], job, run_dir / "state", run_dir / "sweep")
+        progress.add(avg, by_name[avg].shape.kind, goodput, time.monotonic() - began)
+    knees = progress.knees([avg, pick])
+    ratio, means = _one_measure(run_dir, job, avg, pick, knees, AvgMeasure, "avg-remeasure")
+    return {"avg_pick": avg, "avg_ratio": ratio, "avg_remeasured": means,
+            "avg_args": avg_args}
 
-    by_name = {c.name: c for c in kept}
+
+def _one_measure(run_dir: Path, job: Any, pick: str, best: str,
+                 sweep: dict[str, tuple[str, float]], kind: type[OneMeasure] | None = None,
+                 sub: str = "remeasure") -> tuple[float, dict[str, float]]:
+    """pick_ratio by the one-measure rule (OneMeasure, or `kind`): both confirmed as tune
+    confirms, around one centre (the geometric mean of their swept knees), so that they run
+    the same grid rates with the same arrivals."""
+    by_name = {c.name: c for c in job.kept}
     centre = math.sqrt(max(sweep[pick][1], 0.05) * max(sweep[best][1], 0.05))
-    confirm = LiveConfirmer(workload, run_dir / "state", run_dir / "remeasure", timeout_s=120,
-                            progress=_Err())
-    return OneMeasure.load(run_dir).ratio(
+    confirm = job.confirmer(run_dir / "state", run_dir / sub, _Err())
+    return (kind or OneMeasure).load(run_dir).ratio(
         pick, best, lambda name: confirm(by_name[name], centre).goodput)
 
 
@@ -381,6 +445,8 @@ def _same_settings(run_dir: Path, args: argparse.Namespace, model: str, gpus: in
     settings = {"num_prompts": args.num_prompts, "point_seconds": args.point_seconds,
                 "ladder_top": LADDER[-1], "reference_gpus": REFERENCE_GPUS,
                 "slo": slo_for(model, gpus)}
+    if getattr(args, "trace", None):  # the trace, by its bytes
+        settings["trace"] = tune_trace.digest(args.trace)
     path = run_dir / "settings.json"
     before = json.loads(path.read_text()) if path.exists() else settings
     if {"slo": SLO.get(model, RANDOM_SLO), **before} != settings:
@@ -390,31 +456,37 @@ def _same_settings(run_dir: Path, args: argparse.Namespace, model: str, gpus: in
 
 
 def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
-           args: argparse.Namespace) -> tuple[dict[str, Any], float]:
-    """`epdctl tune`'s --json document and wall time; kept in tune.json, so that a rerun of
-    an interrupted sweep (the same --out) keeps the tune it is measured against; one of
-    another --budget is made again (in tune/ afresh)."""
+           args: argparse.Namespace, name: str = "tune", workload: Sequence[str] = ()
+           ) -> tuple[dict[str, Any], float]:
+    """`epdctl tune`'s --json document and wall time; kept in <name>.json, so that a rerun
+    of an interrupted sweep (the same --out) keeps the tune it is measured against; one of
+    another --budget is made again (in <name>/ afresh). `workload`: tune's workload options
+    (default: --trace's, else the one shape's)."""
     import shutil
     import subprocess
 
     budget = budget_for(args.budget, gpus)
-    kept = run_dir / "tune.json"
+    kept = run_dir / f"{name}.json"
     if kept.exists():
         saved = json.loads(kept.read_text())
         if saved.get("budget", budget) == budget:
             return saved["doc"], saved["tune_s"]
-        shutil.rmtree(run_dir / "tune", ignore_errors=True)
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    trace = getattr(args, "trace", None)
+    if not workload:
+        workload = (["--trace", str(trace), "--image-size", "512x512"] if trace else
+                    ["--images", "1", "--image-size", "512x512", "--input-len", "64",
+                     "--output-len", "32", "--num-prompts", str(args.num_prompts),
+                     "--point-seconds", str(args.point_seconds)])
     started = time.monotonic()
     tuned = subprocess.run(
         [sys.executable, "-m", "epdctl", "--state-dir", str(run_dir / "state"), "tune",
          str(base_path), "--gpus", ",".join(map(str, range(gpus))), "--slo", slo_for(model, gpus),
-         "--images", "1", "--image-size", "512x512", "--input-len", "64", "--output-len", "32",
-         "--num-prompts", str(args.num_prompts), "--point-seconds", str(args.point_seconds),
-         "--budget", budget, "--model-facts",
-         str(cost), "--out", str(run_dir / "tune"), "--json"],
+         *workload, "--budget", budget, "--model-facts",
+         str(cost), "--out", str(run_dir / name), "--json"],
         capture_output=True, text=True, check=False)
     tune_s = time.monotonic() - started
-    (run_dir / "tune.stderr").write_text(tuned.stderr)
+    (run_dir / f"{name}.stderr").write_text(tuned.stderr)
     if tuned.returncode != 0:
         raise SystemExit(f"tune failed on {model} x {gpus}: {tuned.stderr[-2000:]}")
     doc = json.loads(tuned.stdout)
@@ -553,6 +625,12 @@ class OneMeasure:
         return (means[pick] / means[best] if means[best] else 0.0), means
 
 
+class AvgMeasure(OneMeasure):
+    """The average shape's pick against the mix's, both replaying the trace (--trace)."""
+
+    FILE = "avg-remeasured.json"
+
+
 def sample(kept: Sequence[Any], size: int, pick: str) -> list[Any]:
     """`size` candidates evenly spread over the enumeration (0: all) plus tune's pick, in
     enumeration order (the first is aggregated, so one aggregated is always in)."""
@@ -604,6 +682,9 @@ def main() -> None:
     parser.add_argument("--check-alone", type=int, default=0, metavar="N",
                         help="sweep the N candidates with the highest knees again, alone "
                              "(run with nothing else on the machine), before tune")
+    parser.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                        help="tune --trace FILE against a sweep replaying it, and the trace "
+                             "tuned as its average shape (benchmarks/tune_trace.py)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tune",
                         help="what a run keeps, per cost model and GPU count (resumed from)")
     args = parser.parse_args()
@@ -629,6 +710,8 @@ def main() -> None:
           + (f" alone_dev={max(devs):.3f}" if (devs := [r["alone_dev"] for r in results
                                                         if "alone_dev" in r]) else ""))
     print(spread(results), flush=True)
+    if avg := [r["avg_ratio"] for r in results if r.get("avg_ratio") is not None]:
+        print(f"avg_ratio_min={min(avg):.3f} avg_ratio_max={max(avg):.3f}", flush=True)
 
 
 def _models(args: argparse.Namespace, gpus: int) -> list[tuple[str, Path | None]]:

@@ -27,6 +27,10 @@ from epdctl.sim.scheduler import Job, Scheduler
 from epdctl.sim.sharing import GpuShare, sim_dir
 
 KEY_ENV = "VLLM_API_KEY"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""The largest request body taken (aiohttp's default is 1 MiB: four 512x512 images as a
+replayed trace sends them were refused with 413; vLLM takes them, as the proxy's
+--max-body-bytes default does)."""
 TOKEN_TEXT = "tok "
 
 
@@ -142,7 +146,7 @@ def make_app(engine: Engine) -> web.Application:
     async def complete(request: web.Request) -> web.StreamResponse:
         return await _complete(request, engine)
 
-    app = web.Application(middlewares=[guard])
+    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)

@@ -149,6 +149,22 @@ def test_api_key_guards_every_route_but_health(monkeypatch: pytest.MonkeyPatch) 
     serve(parse_options(["m"], {}), test)
 
 
+def test_a_request_of_several_large_images_is_taken() -> None:
+    """Four noisy 512x512 images (~3 MiB of base64, as a replayed trace sends an album):
+    over aiohttp's default body limit of 1 MiB, which answered 413."""
+    big = "data:image/png;base64," + base64.b64encode(png(512, 512, 7)).decode()
+    body = chat(max_tokens=2)
+    body["messages"][0]["content"][:1] = [{"type": "image_url", "image_url": {"url": big}}] * 4
+
+    async def test(client: TestClient, engine: Engine) -> None:
+        assert len(json.dumps(body)) > 1 << 20
+        reply = await client.post("/v1/chat/completions", json=body)
+        assert reply.status == 200, await reply.text()
+        assert (await reply.json())["usage"]["completion_tokens"] == 2
+
+    serve(parse_options(["m"], {}), test)
+
+
 def test_too_long_a_request_is_refused() -> None:
     async def test(client: TestClient, engine: Engine) -> None:
         reply = await client.post("/v1/completions", json={"prompt": [1] * 60,
