@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,7 +33,7 @@ from epdctl.bench import client
 from epdctl.bench.bodies import Defaults, body, request_seed
 from epdctl.bench.client import Outcome
 from epdctl.traces.classes import counts, shape_class
-from epdctl.traces.format import TraceError, TraceRequest, read_trace, scaled
+from epdctl.traces.format import TraceError, TraceRequest, cycled, read_trace, scaled
 
 AHEAD = 32
 """Bodies built before their turn (and before the clock starts): enough to ride out a slow
@@ -60,7 +60,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, required=True)
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--limit", type=int, help="refuse a trace of more requests")
-    p.add_argument("--num-prompts", type=int, help="only the first N lines (a warm-up)")
+    p.add_argument("--num-prompts", type=int,
+                   help="the first N requests (a warm-up); more than the trace holds: the "
+                        "trace again from its start, back to back (traces.format.cycled)")
     p.add_argument("--base-url", required=True)
     p.add_argument("--endpoint", default="/v1/chat/completions")
     p.add_argument("--model", required=True)
@@ -164,15 +166,15 @@ def result(args: argparse.Namespace, source: str, kind: str,
 
 
 async def replay_trace(args: argparse.Namespace) -> tuple[dict[str, Any], Replayed]:
-    """The trace (its first --num-prompts lines) sent at its times over --speed; the result
+    """The trace (its first --num-prompts requests, cycled past its end) sent at its times
+    over --speed; the result
     file's contents. SystemExit in one line for a trace that cannot be read."""
     try:
         trace = read_trace(args.trace, args.limit)
     except TraceError as exc:
         raise SystemExit(f"replay: {exc}") from None
-    count = args.num_prompts or len(trace.requests)
-    requests = trace.requests[:count]
-    times = scaled(trace, args.speed)[:count]
+    requests = cycled(trace.requests, args.num_prompts or len(trace.requests))
+    times = scaled(replace(trace, requests=requests), args.speed)
     done = await run(args, requests, times)
     return result(args, trace.source, trace.kind, requests, times, done), done
 

@@ -114,6 +114,8 @@ def replay_argv(workload: Workload, index: int, *, url: str, model: str,
         args += ["--limit", str(workload.trace.limit)]
     if warmup:
         args += ["--num-prompts", str(warmup)]
+    elif workload.trace is not None and workload.requests_at(index) != workload.trace.requests:
+        args += ["--num-prompts", str(workload.requests_at(index))]  # cycled
     if workload.slo:
         args += ["--goodput", *(f"{k}:{v:g}" for k, v in workload.slo)]
     return args
@@ -124,4 +126,5 @@ def estimate_s(workload: Workload, index: int) -> float | None:
     point, trace = workload.points[index], workload.trace
     if trace is None or not trace.duration_s:
         return None
-    return trace.duration_s / (point.speed or 1.0)
+    passes = workload.requests_at(index) / trace.requests  # more than 1: cycled
+    return trace.duration_s * passes / (point.speed or 1.0)

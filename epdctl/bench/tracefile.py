@@ -28,6 +28,11 @@ class TraceFile:
     lengths: tuple[int, ...] = field(default=(), repr=False, compare=False)
     """Each line's input_length + output_length (the text tokens it needs)."""
 
+    @property
+    def rate(self) -> float:
+        """Mean arrivals per second at speed 1, as Trace.rate (0: all at once)."""
+        return (self.requests - 1) / self.duration_s if self.duration_s > 0 else 0.0
+
     def as_json(self) -> dict[str, Any]:
         return {"file": str(self.path), "kind": self.kind, "requests": self.requests,
                 "duration_s": round(self.duration_s, 3), "classes": dict(self.classes),

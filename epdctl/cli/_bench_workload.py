@@ -28,8 +28,7 @@ FLAGS = {"trace_path": "--trace", "mix": "--mix", "speeds": "--speed", "limit": 
          "input_len": "--input-len", "output_len": "--output-len"}
 # What a trace's own lines or a mix's classes say, or what does not apply to them.
 NOT_WITH_TRACE = ("mix", "dataset", "dataset_name", "images", "videos", "audios", "repeat",
-                  "rates", "concurrency", "num_prompts", "point_seconds", "input_len",
-                  "output_len")
+                  "rates", "concurrency", "num_prompts", "input_len", "output_len")
 NOT_WITH_MIX = ("trace_path", "dataset", "dataset_name", "images", "videos", "audios",
                 "repeat", "concurrency", "speeds", "limit")
 
@@ -71,8 +70,8 @@ def _trace(opts: dict[str, Any]) -> Workload:
         raise BenchError("--speed: expected finite numbers above 0 (2: twice the trace's pace)")
     trace = load_trace(opts["trace_path"], opts["limit"])
     return Workload(points=tuple(LoadPoint(speed=s) for s in speeds),
-                    num_prompts=trace.requests, seed=opts["seed"],
-                    image_size=parse_image_size(opts["image_size"]),
+                    num_prompts=trace.requests, point_seconds=opts["point_seconds"],
+                    seed=opts["seed"], image_size=parse_image_size(opts["image_size"]),
                     video_frames=opts["video_frames"], images=0,
                     slo=parse_slo(opts["slo"]), trace=trace)
 

@@ -19,8 +19,8 @@ MIX_FILE = "mix.jsonl"
 MIX_RATE = 1.0
 """--mix's Poisson arrivals at speed 1 (req/s): speeds scale them to any rate."""
 # What a trace's lines (or a mix's classes and its fixed arrivals) say instead.
-NOT_WITH_TRACE = ("mix", "images", "num_prompts", "point_seconds", "input_len", "output_len")
-NOT_WITH_MIX = ("images", "point_seconds", "limit")
+NOT_WITH_TRACE = ("mix", "images", "num_prompts", "input_len", "output_len")
+NOT_WITH_MIX = ("images", "limit")
 
 
 def _refuse(names: tuple[str, ...], what: str, why: str, opts: dict[str, Any]) -> None:
@@ -73,5 +73,6 @@ def replayed(sizes: Workload, trace: TraceTune) -> Workload:
     """What confirmations send: the trace, replayed (the points: LiveConfirmer's speeds);
     images of no size at --image-size, as the model took them."""
     return replace(sizes, points=(LoadPoint(speed=1.0),), num_prompts=trace.replay.requests,
-                   point_seconds=0.0, images=0, image_size=trace.unsized_image,
+                   point_seconds=trace.model.point_seconds, images=0,
+                   image_size=trace.unsized_image,
                    trace=trace.replay)

@@ -17,7 +17,7 @@ import csv
 import io
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -273,6 +273,27 @@ def _media(item: Any, where: str) -> MediaItem:
     if ("width" in sizes) != ("height" in sizes):
         raise TraceError(f"{where}: give both `width` and `height`, or neither")
     return MediaItem(kind, **sizes)
+
+
+def cycle_ms(requests: Sequence[TraceRequest]) -> float:
+    """How long one pass of the requests lasts when they are played back to back: their
+    span and one mean gap (span / (n - 1)) before the next pass's first (cycled)."""
+    if len(requests) < 2:
+        return 0.0
+    span = requests[-1].timestamp_ms - requests[0].timestamp_ms
+    return span + span / (len(requests) - 1)
+
+
+def cycled(requests: Sequence[TraceRequest], count: int) -> tuple[TraceRequest, ...]:
+    """The first `count` requests of the trace played back to back: past its last, the
+    trace again from its first, each pass cycle_ms after the one before (a short trace
+    that a load point must send more of)."""
+    n = len(requests)
+    if count <= n:
+        return tuple(requests[:count])
+    period = cycle_ms(requests)
+    return tuple(replace(requests[i % n], timestamp_ms=requests[i % n].timestamp_ms
+                         + (i // n) * period) for i in range(count))
 
 
 def scaled(trace: Trace, speed: float) -> list[float]:

@@ -336,6 +336,10 @@ def predict(shape: Shape, profile: Profile, req: RequestShape, slo: Slo, *,
                       {r: round(u, 3) for r, u in best.utilization.items()})
 
 
+KNEE_CEILING = 1e6
+"""req/s: the knee search stops doubling past it (a workload no load makes miss the SLO)."""
+
+
 def knee(run: Callable[[float], Outcome], slo: Slo, iterations: int = 14
          ) -> tuple[float, Outcome | None]:
     """The highest rate whose run meets `slo` for >= ATTAINMENT of its requests, and that
@@ -347,7 +351,7 @@ def knee(run: Callable[[float], Outcome], slo: Slo, iterations: int = 14
         if outcome.attainment(slo) < ATTAINMENT:
             break
         low, best, high = high, outcome, high * 2
-        if high > 1e6:
+        if high > KNEE_CEILING:
             break
     for _ in range(iterations):
         mid = (low + high) / 2

@@ -73,5 +73,6 @@ def for_trace(trace: Trace, replay: TraceFile, sizes: Workload, facts: ModelFact
     profiled = replace(sizes, images=len(images), image_size=size,
                        input_len=max(shape.input_length, 1),
                        output_len=max(shape.output_length, 1))
-    model = from_trace(trace, ProfiledShape(size, facts.image_tokens_per_mpixel))
+    model = from_trace(trace, ProfiledShape(size, facts.image_tokens_per_mpixel),
+                       point_seconds=sizes.point_seconds)
     return profiled, TraceTune(model, replay, shape.name, sizes.image_size)

@@ -9,9 +9,11 @@ import math
 from dataclasses import dataclass
 from functools import partial
 
+from epdctl.traces.format import TraceError
 from epdctl.tune.candidates import Shape
 from epdctl.tune.des import Sim
 from epdctl.tune.model import (
+    KNEE_CEILING,
     Outcome,
     Prediction,
     Profile,
@@ -60,7 +62,7 @@ def simulate_trace(shape: Shape, profile: Profile, workload: TraceWorkload, *, r
     class and delays."""
     sim = Sim(seed)
     wiring = Wiring(sim, shape, profile)
-    arrivals = workload.arrivals
+    arrivals = workload.arrivals_at(rate)
     n = len(arrivals)
     ttft, tpot = [math.nan] * n, [math.nan] * n
     delays: list[dict[str, float]] = [{} for _ in range(n)]
@@ -95,6 +97,11 @@ def predict_trace(shape: Shape, profile: Profile, workload: TraceWorkload, slo: 
         return simulate_trace(shape, profile, workload, rate=rate, seed=seed)
 
     low, best = knee(run, slo, iterations)
+    if low >= KNEE_CEILING / 2:
+        raise TraceError(
+            f"the trace's {len(workload.arrivals)} requests meet the SLO however fast they "
+            "arrive: too few to load a topology; give --point-seconds S (a rate then sends "
+            "at least rate x S requests, the trace played again from its start)")
     if best is None:
         best = run(max(low, 1e-3))
     overall = Prediction(round(low, 4), percentiles(best, "ttft"), percentiles(best, "tpot"),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from epdctl.traces.classes import shape_class
-from epdctl.traces.format import MediaItem, Trace, TraceError, TraceRequest
+from epdctl.traces.format import MediaItem, Trace, TraceError, TraceRequest, cycle_ms
 from epdctl.tune.model import MAX_SIM_REQUESTS, RequestShape
 
 MAX_TRACE_REQUESTS = MAX_SIM_REQUESTS
@@ -47,6 +47,22 @@ class TraceWorkload:
     arrivals: tuple[Arrival, ...]
     rate: float
     """Requests per second at speed 1: (n - 1) / span, as Trace.rate."""
+    cycle_s: float = 0.0
+    """One pass of the trace played back to back (traces.format.cycle_ms)."""
+    point_seconds: float = 0.0
+    """A rate sends at least rate x this many requests, the trace played again from its start
+    (arrivals_at; bench's Workload.requests_at for the confirmations' replays)."""
+
+    def arrivals_at(self, rate: float) -> tuple[Arrival, ...]:
+        """What a run at `rate` sends: the arrivals, cycled to rate x point_seconds where
+        that is more (traces.format.cycle_ms's pass length), at most MAX_TRACE_REQUESTS."""
+        n = len(self.arrivals)
+        wanted = math.ceil(rate * self.point_seconds) if self.point_seconds else n
+        count = max(n, min(wanted, MAX_TRACE_REQUESTS))
+        if count == n:
+            return self.arrivals
+        return tuple(replace(self.arrivals[i % n], at_s=self.arrivals[i % n].at_s
+                             + (i // n) * self.cycle_s) for i in range(count))
 
     def counts(self) -> dict[str, int]:
         """Requests per class, the most frequent first (ties by name)."""
@@ -58,8 +74,8 @@ class TraceWorkload:
         return rate / self.rate
 
 
-def from_trace(trace: Trace, profiled: ProfiledShape,
-               limit: int = MAX_TRACE_REQUESTS) -> TraceWorkload:
+def from_trace(trace: Trace, profiled: ProfiledShape, limit: int = MAX_TRACE_REQUESTS,
+               point_seconds: float = 0.0) -> TraceWorkload:
     """The trace's first `limit` requests as the model's workload. TraceError for a trace
     with no rate (one request, or all at once: no speed makes a mean rate of it) and for
     video or audio (no profile has a cost for them)."""
@@ -77,7 +93,8 @@ def from_trace(trace: Trace, profiled: ProfiledShape,
                          "profiled")
     start = requests[0].timestamp_ms
     return TraceWorkload(tuple(Arrival((r.timestamp_ms - start) / 1000, request_shape(
-        r, profiled), shape_class(r), r.stream) for r in requests), kept.rate)
+        r, profiled), shape_class(r), r.stream) for r in requests), kept.rate,
+        cycle_ms(requests) / 1000, point_seconds)
 
 
 def request_shape(request: TraceRequest, profiled: ProfiledShape) -> RequestShape:

@@ -230,6 +230,21 @@ def test_a_mooncake_trace_replays_unchanged(tmp_path: Path) -> None:
     assert data["trace"]["kind"] == "epdctl"
 
 
+def test_more_prompts_than_the_trace_holds_play_it_again(tmp_path: Path) -> None:
+    """--num-prompts past the trace's end: the trace again from its start, one mean gap
+    (span / (n - 1)) after its last request, each request its own body."""
+    data = run_against_engine(["--num-prompts", "10", "--speed", "2"], MEDIA, tmp_path)
+    assert data["completed"] == 10 and data["num_prompts"] == 10
+    assert data["classes"] == ["text", "image2", "video+audio", "text"] * 2 + [
+        "text", "image2"]
+    # one pass: 0.2 s at speed 2 and a mean gap of 0.2 / 3
+    first = [0.0, 0.05, 0.075, 0.2]
+    period = 0.2 + 0.2 / 3
+    assert data["scheduled_offsets"] == pytest.approx(
+        first + [t + period for t in first] + [t + 2 * period for t in first[:2]])
+    assert data["trace"]["requests"] == 10
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--speed", "0"], "--speed 0: expected a number above 0"),
     (["--goodput", "ttft:soon"], "--goodput ttft:soon: expected"),

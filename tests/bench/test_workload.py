@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,28 @@ def test_more_videos_than_an_arm_takes_is_refused() -> None:
     with pytest.raises(BenchError, match=r"2 video\(s\) per request; `epd` accepts at most 1"):
         check(arms, Workload(points=(LoadPoint(),), videos=2))
     check(arms, Workload(points=(LoadPoint(),), images=2, videos=1))
+
+
+def test_point_seconds_cycles_a_short_trace(tmp_path: Path) -> None:
+    """A trace's point sends at least its mean rate there x point_seconds requests (the
+    replayer plays the trace again past its end), at most --limit; without, the trace."""
+    from epdctl.bench.senders import estimate_s, replay_argv
+    from epdctl.bench.tracefile import TraceFile
+
+    trace = TraceFile(tmp_path / "t.jsonl", "epdctl", 11, 5.0, (("text", 11),), limit=100)
+    assert trace.rate == 2.0
+    points = (LoadPoint(speed=1.0), LoadPoint(speed=4.0), LoadPoint(speed=50.0))
+    w = Workload(points=points, num_prompts=11, point_seconds=3.0, trace=trace)
+    assert [w.requests_at(i) for i in range(3)] == [11, 24, 100]
+
+    def argv(i: int) -> list[str]:
+        return replay_argv(w, i, url="http://x", model="m", served_model_name="m",
+                           result_dir=tmp_path, result_name="r.json")
+
+    assert "--num-prompts" not in argv(0)
+    assert argv(1)[argv(1).index("--num-prompts") + 1] == "24"
+    assert estimate_s(w, 1) == pytest.approx(5.0 * 24 / 11 / 4)
+    assert replace(w, point_seconds=0.0).requests_at(2) == 11
 
 
 def test_point_seconds_sends_a_rates_seconds_of_requests(tmp_path: Path) -> None:

@@ -162,6 +162,23 @@ def test_what_cannot_go_with_a_trace_is_refused_before_anything_starts(
     assert list(state_root.iterdir()) == []
 
 
+def test_point_seconds_plays_a_short_trace_again_at_each_speed(
+        epdctl: Callable[..., Result], fake_topology: Callable[..., Path], state_root: Path,
+        tmp_path: Path) -> None:
+    """SHORT: 4 requests over 30 ms (100 req/s); 0.05 s of them at speed 1 is 5 requests,
+    at speed 4 is 20: the replayer is asked for them (it plays the trace again)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(SHORT)
+    result = epdctl("bench", str(fake_topology()), "--trace", str(trace), "--speed", "0.5,1,4",
+                    "--point-seconds", "0.05", "--dry-run")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if "--speed" in line]
+    counts = [line.split("--num-prompts ")[1].split()[0] if "--num-prompts" in line else "-"
+              for line in lines]
+    assert counts == ["-", "5", "20"] * 2  # 2.5 at speed 0.5: the trace's 4
+    assert list(state_root.iterdir()) == []
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--mix", "text:1", "--images", "2"], "--mix cannot go with --images: its classes give "
      "each request's media (e.g. text:0.4,image2:0.6), Poisson arrivals at each "

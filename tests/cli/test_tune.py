@@ -145,10 +145,13 @@ def test_a_trace_tune_cannot_take_is_refused_in_one_line(
 def test_tune_for_a_trace_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path
                                           ) -> None:
     """Profiled at the `image` class's typical request, predicted per class, confirmed by
-    replaying the trace at speeds (each candidate's points.json: the replayer's argv)."""
+    replaying the trace at speeds (each candidate's points.json: the replayer's argv). 24
+    requests meet the SLO however fast they come: --point-seconds plays the trace again
+    (without it, tune says so in one line: test_traced)."""
     out = tmp_path / "out"
     result = epdctl("tune", str(_base(tmp_path)), "--slo", "ttft=2000,tpot=200",
                     "--trace", str(_trace_file(tmp_path)), "--image-size", "64x64",
+                    "--point-seconds", "0.1",
                     "--model-facts", str(tmp_path / "cost.yaml"), "--out", str(out),
                     env={"EPDCTL_FAKE_GPUS": "1", "EPDCTL_FAKE_GPU_MEMORY": "24GiB",
                          "EPDCTL_PROXY_COMMAND": "", "EPDCTL_BENCH_COMMAND": ""})
@@ -173,4 +176,7 @@ def test_tune_for_a_trace_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_pat
             assert "epdctl.bench.replay" in argv and "--trace" in argv
             assert float(argv[argv.index("--speed") + 1]) == pytest.approx(
                 p["rate"] / 4.0, rel=1e-3)
+            sent = int(argv[argv.index("--num-prompts") + 1]) if "--num-prompts" in argv \
+                else 24
+            assert abs(sent - max(24, p["rate"] * 0.1)) <= 1  # the trace cycled
     assert "Per class" in (out / "report.md").read_text()

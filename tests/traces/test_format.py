@@ -111,6 +111,18 @@ def test_a_trace_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
         read_trace(tmp_path / "missing.jsonl")
 
 
+def test_a_trace_cycled_past_its_end_starts_again_a_mean_gap_later() -> None:
+    from epdctl.traces.format import cycle_ms, cycled
+
+    requests = tuple(TraceRequest(at, n, 1) for n, at in enumerate((0.0, 100.0, 400.0)))
+    assert cycle_ms(requests) == 600.0  # span 400 and a mean gap of 200
+    assert cycled(requests, 2) == requests[:2]
+    again = cycled(requests, 7)
+    assert [r.timestamp_ms for r in again] == [0, 100, 400, 600, 700, 1000, 1200]
+    assert [r.input_length for r in again] == [0, 1, 2, 0, 1, 2, 0]
+    assert cycle_ms(requests[:1]) == 0.0 and len(cycled(requests[:1], 3)) == 3
+
+
 def test_class_names_parse_back_and_bad_ones_are_refused() -> None:
     assert parse_class("image2+audio") == {"image": 2, "audio": 1}
     assert parse_class("text") == {}

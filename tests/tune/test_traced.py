@@ -18,8 +18,10 @@ from epdctl.tune import runner
 from epdctl.tune.candidates import Candidate
 from epdctl.tune.decide import Measured
 from epdctl.tune.facts import ModelFacts
+from epdctl.tune.model import KNEE_CEILING
 from epdctl.tune.search import grid_seed
 from epdctl.tune.traced import for_trace
+from epdctl.tune.workload import MAX_TRACE_REQUESTS
 from tests.tune.test_runner import Clock, Log, confirm, profiler_calls, settings
 
 FACTS = ModelFacts(heads=1, weights=1, encoder_weights=1, kv_per_token=1)
@@ -69,12 +71,36 @@ def test_a_trace_the_model_cannot_take_is_refused_in_one_line(trace: Trace, mess
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
-def _trace_settings(tmp_path: Path) -> runner.Settings:
+def _trace_settings(tmp_path: Path, point_seconds: float = 2.0) -> runner.Settings:
+    """90 requests of _trace; a rate sends at least rate x `point_seconds` (the trace
+    cycled): 90 alone meet the SLO however fast they come."""
     base = settings(tmp_path)
     trace = _trace(n=90)
-    profiled, tuned = for_trace(trace, _file(trace), replace(base.workload, slo=()),
-                                base.facts)
+    profiled, tuned = for_trace(trace, _file(trace), replace(
+        base.workload, slo=(), point_seconds=point_seconds), base.facts)
     return replace(base, workload=profiled, trace=tuned)
+
+
+def test_a_trace_too_short_to_load_a_topology_is_cycled_or_refused(tmp_path: Path) -> None:
+    """Without --point-seconds, 90 requests are served within the SLO at any speed: the knee
+    search would reach its ceiling (1e6 req/s) and say nothing; tune says so in one line.
+    With it, a rate sends rate x S requests, the trace played again a pass later."""
+    with pytest.raises(TraceError) as caught:
+        runner.tune(_trace_settings(tmp_path, 0.0), profiler_calls([]), confirm, Log(),
+                    Clock())
+    assert "--point-seconds" in str(caught.value) and "\n" not in str(caught.value)
+    model = _trace_settings(tmp_path / "30s", 30.0).trace.model  # type: ignore[union-attr]
+    assert model.arrivals_at(1.0) == model.arrivals  # 30 requests wanted: the 90 suffice
+    cycled = model.arrivals_at(10.0)  # 300 wanted: 3 passes and 30 more
+    assert len(cycled) == 300 and cycled[:90] == model.arrivals
+    assert cycled[90].at_s == pytest.approx(model.arrivals[-1].at_s + 0.1)  # one mean gap
+    assert [a.shape_class for a in cycled[90:180]] == [a.shape_class for a in model.arrivals]
+    assert len(model.arrivals_at(1e9)) == MAX_TRACE_REQUESTS
+    doc = runner.tune(_trace_settings(tmp_path / "2s"), profiler_calls([]), confirm, Log(),
+                      Clock())
+    goodputs = [c["predicted_goodput"] for c in doc["candidates"]
+                if c["predicted_goodput"] is not None]
+    assert goodputs and max(goodputs) < KNEE_CEILING / 2
 
 
 def test_a_trace_is_predicted_with_predict_trace_and_reported_per_class(
