@@ -116,15 +116,11 @@ class Workload:
         return "generated" if self.repeat > 0 else "random-mm"
 
     def requests_at(self, index: int) -> int:
-        """Requests load point `index` sends: num_prompts, or its rate x point_seconds when
-        that is more (a concurrency or all-at-once point: num_prompts). A trace's point: the
-        trace's requests, or its mean rate at the point's speed x point_seconds, the trace
-        played again from its start (traces.format.cycled), up to its --limit."""
-        if self.trace is not None:
-            trace, speed = self.trace, self.points[index].speed or 1.0
-            if not self.point_seconds or not trace.rate:
-                return trace.requests
-            wanted = math.ceil(trace.rate * speed * self.point_seconds)
+        """Requests load point `index` sends: num_prompts (a trace's: its requests), or its
+        rate x point_seconds when more, a trace cycled (format.cycled) up to its --limit."""
+        if (trace := self.trace) is not None:
+            wanted = math.ceil(trace.rate * (self.points[index].speed or 1.0)
+                               * self.point_seconds)
             return max(trace.requests, min(wanted, trace.limit))
         rate = self.points[index].request_rate
         if not self.point_seconds or math.isinf(rate):
