@@ -474,7 +474,7 @@ def _tuned(run_dir: Path, base_path: Path, model: str, gpus: int, cost: Path,
         shutil.rmtree(run_dir / name, ignore_errors=True)
     trace = getattr(args, "trace", None)
     if not workload:
-        workload = (["--trace", str(trace), "--image-size", "512x512"] if trace else
+        workload = (tune_trace.tune_args(trace) if trace else
                     ["--images", "1", "--image-size", "512x512", "--input-len", "64",
                      "--output-len", "32", "--num-prompts", str(args.num_prompts),
                      "--point-seconds", str(args.point_seconds)])

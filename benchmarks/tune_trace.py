@@ -90,8 +90,10 @@ class TraceJob:
         return LiveConfirmer(self.replay, state, out, timeout_s=120, progress=progress,
                              trace_rate=self.rate)
 
-    def tune_args(self) -> list[str]:
-        return ["--trace", str(self.path), "--image-size", "x".join(map(str, IMAGE))]
+
+def tune_args(path: Path) -> list[str]:
+    """tune's workload options for the trace at `path` (its images of no size: IMAGE)."""
+    return ["--trace", str(path), "--image-size", "x".join(map(str, IMAGE))]
 
 
 def job(path: Path, base: Any, gpus: int, facts: Any, sizes: Any) -> TraceJob:

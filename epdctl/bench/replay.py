@@ -167,8 +167,8 @@ def result(args: argparse.Namespace, source: str, kind: str,
 
 async def replay_trace(args: argparse.Namespace) -> tuple[dict[str, Any], Replayed]:
     """The trace (its first --num-prompts requests, cycled past its end) sent at its times
-    over --speed; the result
-    file's contents. SystemExit in one line for a trace that cannot be read."""
+    over --speed; the result file's contents. SystemExit in one line for a trace that
+    cannot be read."""
     try:
         trace = read_trace(args.trace, args.limit)
     except TraceError as exc:

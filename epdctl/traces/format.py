@@ -17,16 +17,17 @@ import csv
 import io
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from epdctl.errors import EpdctlError
 
 MEDIA_TYPES = ("image", "video", "audio")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+T = TypeVar("T")
 
 
 class TraceError(EpdctlError):
@@ -284,16 +285,23 @@ def cycle_ms(requests: Sequence[TraceRequest]) -> float:
     return span + span / (len(requests) - 1)
 
 
-def cycled(requests: Sequence[TraceRequest], count: int) -> tuple[TraceRequest, ...]:
-    """The first `count` requests of the trace played back to back: past its last, the
-    trace again from its first, each pass cycle_ms after the one before (a short trace
-    that a load point must send more of)."""
-    n = len(requests)
+def cycle(items: Sequence[T], count: int, period: float, shift: Callable[[T, float], T]
+          ) -> tuple[T, ...]:
+    """The first `count` of `items` played back to back: past the last, the items again
+    from the first, each pass `period` after the one before (`shift(item, by)`: the item
+    that much later). The one rule of a cycled trace, for its lines (cycled) and for the
+    queue model's arrivals (tune.workload.TraceWorkload.arrivals_at)."""
+    n = len(items)
     if count <= n:
-        return tuple(requests[:count])
-    period = cycle_ms(requests)
-    return tuple(replace(requests[i % n], timestamp_ms=requests[i % n].timestamp_ms
-                         + (i // n) * period) for i in range(count))
+        return tuple(items[:count])
+    return tuple(shift(items[i % n], (i // n) * period) for i in range(count))
+
+
+def cycled(requests: Sequence[TraceRequest], count: int) -> tuple[TraceRequest, ...]:
+    """The first `count` requests of the trace played back to back, each pass cycle_ms
+    after the one before (a short trace that a load point must send more of)."""
+    return cycle(requests, count, cycle_ms(requests),
+                 lambda r, by: replace(r, timestamp_ms=r.timestamp_ms + by))
 
 
 def scaled(trace: Trace, speed: float) -> list[float]:

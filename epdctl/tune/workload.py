@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from epdctl.traces.classes import shape_class
-from epdctl.traces.format import MediaItem, Trace, TraceError, TraceRequest, cycle_ms
+from epdctl.traces.format import MediaItem, Trace, TraceError, TraceRequest, cycle, cycle_ms
 from epdctl.tune.model import MAX_SIM_REQUESTS, RequestShape
 
 MAX_TRACE_REQUESTS = MAX_SIM_REQUESTS
@@ -56,13 +56,9 @@ class TraceWorkload:
     def arrivals_at(self, rate: float) -> tuple[Arrival, ...]:
         """What a run at `rate` sends: the arrivals, cycled to rate x point_seconds where
         that is more (traces.format.cycle_ms's pass length), at most MAX_TRACE_REQUESTS."""
-        n = len(self.arrivals)
-        wanted = math.ceil(rate * self.point_seconds) if self.point_seconds else n
-        count = max(n, min(wanted, MAX_TRACE_REQUESTS))
-        if count == n:
-            return self.arrivals
-        return tuple(replace(self.arrivals[i % n], at_s=self.arrivals[i % n].at_s
-                             + (i // n) * self.cycle_s) for i in range(count))
+        wanted = math.ceil(rate * self.point_seconds)
+        return cycle(self.arrivals, max(len(self.arrivals), min(wanted, MAX_TRACE_REQUESTS)),
+                     self.cycle_s, lambda a, by: replace(a, at_s=a.at_s + by))
 
     def counts(self) -> dict[str, int]:
         """Requests per class, the most frequent first (ties by name)."""
