@@ -97,14 +97,20 @@ def tune_args(path: Path) -> list[str]:
 
 
 def job(path: Path, base: Any, gpus: int, facts: Any, sizes: Any) -> TraceJob:
-    """The trace at `path` as tune --trace takes it, on `base` with `gpus` devices."""
+    """The trace at `path` as tune --trace takes it, on `base` with `gpus` devices: each
+    speed played for TRACE_POINT_SECONDS at least, as tune confirms (the sweep in
+    results/tune/*-mixed ran before that default, the trace once a speed, and is kept: its
+    knees pick the sweep's best, which the one measure then confirms as tune does)."""
+    from dataclasses import replace
+
     from epdctl.bench.tracefile import load_trace
-    from epdctl.cli._tune_trace import replayed
+    from epdctl.cli._tune_trace import TRACE_POINT_SECONDS, replayed
     from epdctl.traces.format import read_trace
     from epdctl.tune.candidates import candidates, limits_for, request_tokens
     from epdctl.tune.traced import for_trace
 
-    profiled, traced = for_trace(read_trace(path), load_trace(path), sizes, facts)
+    profiled, traced = for_trace(read_trace(path), load_trace(path),
+                                 replace(sizes, point_seconds=TRACE_POINT_SECONDS), facts)
     tokens = request_tokens(facts, profiled.images, profiled.image_size, profiled.input_len,
                             profiled.output_len)
     longest = max(a.request.prompt_tokens + a.request.output_tokens

@@ -18,6 +18,12 @@ MIX_FILE = "mix.jsonl"
 """--mix's synthetic trace, written to --out (what the confirmations replay)."""
 MIX_RATE = 1.0
 """--mix's Poisson arrivals at speed 1 (req/s): speeds scale them to any rate."""
+TRACE_POINT_SECONDS = 60.0
+"""--trace and --mix without --point-seconds: a confirmation speed plays at least this long of
+the trace (again from its start past its end). A short trace at a high speed is a burst of a
+few seconds: two candidates' knee points then differ by less than bench's interval can
+tell, and tune gives the undecided race to the simpler topology (benchmarks/tune.py
+--trace: 120 requests a point left 2E~2P+1D 25 % above aggregated undecided)."""
 # What a trace's lines (or a mix's classes and its fixed arrivals) say instead.
 NOT_WITH_TRACE = ("mix", "images", "num_prompts", "input_len", "output_len")
 NOT_WITH_MIX = ("images", "limit")
@@ -38,6 +44,9 @@ def trace_workloads(opts: dict[str, Any], sizes: Workload, facts: ModelFacts, ou
     from epdctl.traces.format import read_trace
     from epdctl.tune.traced import for_trace
 
+    if opts["trace_path"] is not None or opts["mix"] is not None:
+        if not _given("point_seconds"):
+            sizes = replace(sizes, point_seconds=TRACE_POINT_SECONDS)
     if opts["trace_path"] is not None:
         _refuse(NOT_WITH_TRACE, "--trace", "a trace's lines give each request's shape, "
                 "length and arrival", opts)

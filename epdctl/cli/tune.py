@@ -49,7 +49,8 @@ def _devices(base: Any, gpus: str | None) -> tuple[int, ...]:
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path), metavar="FILE",
               help="Tune for this trace (docs/traces.md): profiled at its most frequent "
               "image-bearing class's typical request, predicted over its requests, confirmed "
-              "by replaying it at speeds.")
+              "by replaying it at speeds (each at least 60 s of it unless --point-seconds "
+              "says otherwise).")
 @click.option("--limit", type=click.IntRange(1), default=DEFAULT_LIMIT, show_default=True,
               metavar="N", help="--trace: refuse a trace of more requests.")
 @click.option("--mix", metavar="CLASS:SHARE,...",

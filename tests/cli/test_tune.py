@@ -72,6 +72,32 @@ def test_point_seconds_reaches_the_model_and_the_confirmations(
     assert (workload.num_prompts, workload.point_seconds) == (8, 2.5)
 
 
+@pytest.mark.parametrize(("given", "seconds"), [([], 60.0), (["--point-seconds", "0"], 0.0)])
+def test_a_trace_is_confirmed_for_a_minute_a_point_unless_told(
+        epdctl: Callable[..., Result], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        given: list[str], seconds: float) -> None:
+    """tune --trace without --point-seconds plays each confirmation speed for at least
+    TRACE_POINT_SECONDS (a short trace at a high speed is a burst too short for a verdict);
+    --point-seconds 0 plays the trace once, as bench --trace does."""
+    from epdctl.cli._tune_trace import TRACE_POINT_SECONDS
+
+    seen = {}
+
+    def run_tune(settings: Any, profiler: Any, confirmer: Any, progress: Any) -> None:
+        seen["settings"], seen["confirmer"] = settings, confirmer
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("epdctl.tune.runner.tune", run_tune)
+    result = epdctl("tune", str(_base(tmp_path)), "--slo", "ttft=500", "--trace",
+                    str(_trace_file(tmp_path)), "--image-size", "64x64", *given,
+                    "--out", str(tmp_path / "out"),
+                    env={"EPDCTL_FAKE_GPUS": "1", "EPDCTL_BENCH_COMMAND": ""})
+    assert result.exit_code == 130, result.output
+    assert TRACE_POINT_SECONDS == 60.0
+    assert seen["settings"].trace.model.point_seconds == seconds
+    assert seen["confirmer"].workload.point_seconds == seconds
+
+
 @pytest.mark.slow  # ~35 s on a loaded 2-core machine: four topologies up and down
 @pytest.mark.timeout(300)
 def test_tune_on_one_fake_gpu(epdctl: Callable[..., Result], tmp_path: Path) -> None:
