@@ -57,3 +57,7 @@ class RenderError(EpdctlError):
 
 class RestartError(EpdctlError):
     """`restart`: the instance cannot be restarted, or was not ready again in time."""
+
+
+class ChangeError(EpdctlError):
+    """`scale`, `switch`, `apply`: the change cannot be made, or did not complete."""

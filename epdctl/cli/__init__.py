@@ -12,6 +12,7 @@ from epdctl import __version__
 from epdctl.cli._app import App
 from epdctl.cli.bench import bench
 from epdctl.cli.cache import cache
+from epdctl.cli.change import apply, scale, switch
 from epdctl.cli.doctor import doctor
 from epdctl.cli.down import down
 from epdctl.cli.logs import logs
@@ -66,6 +67,9 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     epdctl top                              requests, latencies, cache hits, live
     epdctl cache inspect                    the shared-memory encoder cache
     epdctl restart pd-0                     one instance, while the others serve
+    epdctl scale pd=2                       add or remove instances, while serving
+    epdctl switch pd-1 encode               move an instance's GPUs to another role
+    epdctl apply topology.yaml              bring it to an edited file: what changed
     epdctl down                             stop everything (after a drain)
     """
     app = App(verbose=verbose, color=color)
@@ -74,8 +78,8 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     ctx.obj = app
 
 
-for command in (up, down, restart, status, logs, top, cache, verify, bench, tune, render,
-                doctor):
+for command in (up, down, restart, scale, switch, apply, status, logs, top, cache, verify,
+                bench, tune, render, doctor):
     cli.add_command(command)
 
 

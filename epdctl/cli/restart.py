@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import click
 
@@ -36,13 +37,24 @@ def restart(app: App, names: tuple[str, ...], topology: str | None, drain_s: flo
     starts it (not a crash: no backoff, no restart budget spent), and once it is ready the
     proxy sends it requests again.
     """
-    from epdctl.launch.drain import admit_instance, drain_instance
-    from epdctl.launch.restart_one import check_names, request, wait_restarted
+    from epdctl.launch.live import one_change_at_a_time
+    from epdctl.launch.restart_one import check_names
     from epdctl.launch.run import find
 
     sdir = find(app.state_root, topology)
-    state = sdir.read()
-    check_names(state, list(names))
+    with one_change_at_a_time(sdir):
+        state = sdir.read()
+        check_names(state, list(names))
+        done = _restart_each(app, sdir, state, names, drain_s, timeout_s, as_json)
+    if as_json:
+        app.out.print(json.dumps({"restarted": done}), markup=False)
+
+
+def _restart_each(app: App, sdir: Any, state: Any, names: tuple[str, ...], drain_s: float,
+                  timeout_s: float, as_json: bool) -> list[dict[str, Any]]:
+    from epdctl.launch.drain import admit_instance, drain_instance
+    from epdctl.launch.restart_one import request, wait_restarted
+
     done = []
     for name in names:
         url = next(s.url for s in state.engines if s.name == name)
@@ -62,5 +74,4 @@ def restart(app: App, names: tuple[str, ...], topology: str | None, drain_s: flo
         if not as_json:
             what = f"; {drained.line(name)}" if drained else ""
             app.err.print(f"Restarted {name} in {took:.1f}s{what}", markup=False)
-    if as_json:
-        app.out.print(json.dumps({"restarted": done}), markup=False)
+    return done

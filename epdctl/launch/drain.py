@@ -1,6 +1,7 @@
-"""Drain before a stop or a restart: the running proxy told to send nothing new (to anyone, or
-to one instance) and waited on until what it has in flight has ended or the drain's seconds
-have passed (the proxy's side: epdctl/proxy/server/admin.py)."""
+"""The running proxy's controls (its side: epdctl/proxy/server/admin.py). Drain before a stop
+or a restart: the proxy told to send nothing new (to anyone, or to one instance) and waited on
+until what it has in flight has ended or the drain's seconds have passed; and a live change's
+instances added to its pools and removed from them."""
 
 from __future__ import annotations
 
@@ -74,6 +75,20 @@ def drain_instance(state: RunState, url: str, seconds: float) -> Drained | None:
 def admit_instance(state: RunState, url: str) -> bool:
     """The instance takes requests again; False where no proxy answered."""
     return _post(state, "/epdctl/instances/admit", {"url": url}, GRACE_S) is not None
+
+
+def add_instance(state: RunState, url: str, role: str) -> bool:
+    """Route requests of `role` to the instance at `url` too; False where no proxy took it."""
+    return _post(state, "/epdctl/instances/add", {"url": url, "role": role}, GRACE_S) \
+        is not None
+
+
+def remove_instance(state: RunState, url: str, seconds: float) -> Drained | None:
+    """Drain the instance at `url` (as drain_instance), then route nothing more to it. None
+    where no proxy answered or it refused (the last of its role)."""
+    reply = _post(state, "/epdctl/instances/remove", {"url": url, "seconds": seconds},
+                  seconds + GRACE_S)
+    return None if reply is None else Drained(reply["finished"], reply["in_flight"])
 
 
 def _post(state: RunState, path: str, body: dict[str, Any], timeout_s: float

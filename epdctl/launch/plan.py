@@ -12,10 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from epdctl import cache
-from epdctl.engines.guard import KEY_ENV
 from epdctl.errors import PlanError
-from epdctl.host import ipc
 from epdctl.launch.connectors import Connector, connector_for
+from epdctl.launch.engine_spec import (
+    CPU_IN_PROCESS_WORKER,
+    Engines,
+    EngineSlot,
+    engine_command,
+    engine_env,
+    engine_spec,
+    kv_transfer_config,
+)
 from epdctl.launch.ports import free_ports, port_blocks
 from epdctl.launch.spec import HOST, PROBE_PATHS, PROXY_ROLE, LaunchSpec, Plan
 from epdctl.proxy.config import ProxyConfig
@@ -23,21 +30,17 @@ from epdctl.topology.keys import has_api_key
 from epdctl.topology.model import (
     NAMESPACE_FLAGS,
     ROLE_NAMES,
-    ROLE_PREFIX,
     Role,
-    RoleName,
     Topology,
     canonical_flag,
     flag_value,
 )
 
 __all__ = [
-    "HOST", "NAMESPACE_FLAGS", "LaunchSpec", "Plan", "compute_namespace", "flag_value",
-    "kv_transfer_config", "plan", "proxy_config",
+    "CPU_IN_PROCESS_WORKER", "HOST", "NAMESPACE_FLAGS", "LaunchSpec", "Plan", "compute_namespace",
+    "flag_value", "kv_transfer_config", "plan", "proxy_config",
 ]
 
-CPU_ENGINE_COMMAND = ("{python}", "-m", "epdctl.engines.vllm_cpu", "serve")
-GPU_ENGINE_COMMAND = ("vllm", "serve")
 PROXY_COMMAND = ("{python}", "-m", "epdctl.proxy")
 PROXY_NAME = "proxy"
 # vLLM 0.16 added --disable-access-log-for-endpoints (vllm-project/vllm#30011).
@@ -143,69 +146,7 @@ def _check_sharing(owners: dict[str, list[tuple[str, str, Role]]]) -> None:
         raise PlanError("\n".join([*missing.values(), *too_much]))
 
 
-def kv_transfer_config(topology: Topology, role: str, state_dir: Path) -> dict:
-    """The --kv-transfer-config for a prefill (producer) or decode (consumer) instance."""
-    default = "ExampleConnector" if topology.device == "cpu" else "NixlConnector"
-    connector = topology.kv.connector or default
-    extra = dict(topology.kv.extra_config)
-    if connector == "ExampleConnector":
-        extra.setdefault("shared_storage_path", str(state_dir / "kv"))
-    config: dict = {
-        "kv_connector": connector,
-        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-    }
-    if extra:
-        config["kv_connector_extra_config"] = extra
-    return config
-
-
-def _engine_command(topology: Topology, python: str) -> list[str]:
-    if topology.engine.command:
-        return list(topology.engine.command)
-    base = CPU_ENGINE_COMMAND if topology.device == "cpu" else GPU_ENGINE_COMMAND
-    return [python if part == "{python}" else part for part in base]
-
-
-# One CPU worker runs in the engine core's process, as vLLM runs a TP1 worker on a GPU: the
-# CPU platform otherwise starts it in a process of its own (the `mp` executor), a third
-# process per instance that imports vLLM again (a third of a start's CPU time and ~0.7 GiB
-# RSS). vLLM's CPU platform keeps the in-process (`uni`) executor when this is "0"; it is
-# read nowhere else by `vllm serve`. A topology's engine/role env can set it back to "1".
-CPU_IN_PROCESS_WORKER = ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-def _cpu_binding(index: int, instances: int, cpu_count: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND: an equal slice of the CPUs per instance.
-
-    vLLM's CPU default binds every server to the same cores, so concurrent instances
-    would fight over them.
-    """
-    cpu_count = max(cpu_count, 1)
-    per = cpu_count // instances
-    if per <= 1:
-        return str(index % cpu_count)
-    return f"{index * per}-{index * per + per - 1}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    """One engine instance's place: its role, replica, ports and GPUs."""
-
-    role_name: RoleName
-    replica: int
-    index: int
-    port: int
-    side_port: int | None
-    ec_ports: tuple[int, ...]
-    gpus: tuple[str, ...] = ()
-    start_after: tuple[str, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return f"{ROLE_PREFIX[self.role_name]}-{self.replica}"
-
-
-def _port_slots(topology: Topology, connector: Connector) -> list[_Slot]:
+def _port_slots(topology: Topology, connector: Connector) -> list[EngineSlot]:
     """Each instance in role order with its HTTP port, NIXL side channel (P and D) and the EC
     connector's own ports (Mooncake control sockets, ECCPU side channels), which follow."""
     order = [(name, r) for name in ROLE_NAMES if name in topology.roles
@@ -223,14 +164,14 @@ def _port_slots(topology: Topology, connector: Connector) -> list[_Slot]:
         for name, _ in order
     ], {topology.proxy.port, *http_ports, *kv_ports}, "ports -> side_channel_base")
     return [
-        _Slot(name, replica, index, http_ports[index],
+        EngineSlot(name, replica, index, http_ports[index],
               next(side_ports) if name in ("prefill", "decode") else None, ec_blocks[index])
         for index, (name, replica) in enumerate(order)
     ]
 
 
-def _gpu_slots(topology: Topology, slots: list[_Slot],
-               gpus: dict[str, list[list[str]]]) -> list[_Slot]:
+def _gpu_slots(topology: Topology, slots: list[EngineSlot],
+               gpus: dict[str, list[list[str]]]) -> list[EngineSlot]:
     """The slots with their GPUs, and on a shared GPU the instance each starts after."""
     owners: dict[str, list[tuple[str, str, Role]]] = {}
     last_user: dict[str, str] = {}
@@ -249,66 +190,6 @@ def _gpu_slots(topology: Topology, slots: list[_Slot],
         placed.append(dataclasses.replace(slot, gpus=devices, start_after=tuple(after)))
     _check_sharing(owners)
     return placed
-
-
-def _engine_env(topology: Topology, connector: Connector, state_dir: Path, slot: _Slot,
-                cpu_count: int, instances: int, internal_key: str | None) -> dict[str, str]:
-    role = topology.roles[slot.role_name]
-    env = {**topology.engine.env, **role.env}
-    # vLLM's IPC sockets and temp files in a private directory of the run (epdctl.host.ipc).
-    env = {**ipc.engine_env(state_dir, slot.name), **env}
-    if "encode" in topology.roles:
-        env.update(connector.engine_env(slot.role_name, slot.ec_ports))
-    if slot.side_port is not None:
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(slot.side_port)
-    if topology.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot.gpus)
-        # Indices mean what nvidia-smi and NVML show, not CUDA's fastest-first order.
-        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    else:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                       _cpu_binding(slot.index, instances, cpu_count))
-        env.setdefault(*CPU_IN_PROCESS_WORKER)  # `device: cpu` is TP1 only
-    if internal_key:
-        env[KEY_ENV] = internal_key
-    return env
-
-
-@dataclasses.dataclass(frozen=True)
-class _Engines:
-    """What every engine instance of one plan shares."""
-
-    topology: Topology
-    connector: Connector
-    state_dir: Path
-    namespace: str
-    command: tuple[str, ...]
-    quiet_paths: tuple[str, ...]
-    is_key_required: bool
-
-
-def _engine_spec(engines: _Engines, slot: _Slot, env: dict[str, str]) -> LaunchSpec:
-    topology, name = engines.topology, slot.name
-    role = topology.roles[slot.role_name]
-    ec = None
-    if "encode" in topology.roles:
-        ec = engines.connector.transfer_config(topology.cache, slot.role_name,
-                                               f"{topology.name}-{name}", engines.namespace,
-                                               slot.ec_ports)
-    kv = None
-    if slot.role_name in ("prefill", "decode"):
-        kv = kv_transfer_config(topology, slot.role_name, engines.state_dir)
-    return LaunchSpec(
-        name=name, role=slot.role_name, command=(*engines.command, topology.model),
-        port=slot.port, log_path=engines.state_dir / "logs" / f"{name}.log",
-        args=(*topology.engine.args, *role.args), served_model_name=topology.served_model_name,
-        tensor_parallel=role.tensor_parallel,
-        gpu_memory_utilization=role.gpu_memory_utilization, ec_config=ec, kv_config=kv,
-        env=env, gpus=slot.gpus, side_channel_port=slot.side_port,
-        start_after=slot.start_after, ec_ports=slot.ec_ports,
-        is_key_required=engines.is_key_required, quiet_paths=engines.quiet_paths,
-        log_requests=topology.engine.log_requests,
-    )
 
 
 def plan(
@@ -335,17 +216,17 @@ def plan(
     slots = _port_slots(topology, connector)
     if gpus is not None:
         slots = _gpu_slots(topology, slots, gpus)
-    engines = _Engines(
-        topology, connector, state_dir, namespace, tuple(_engine_command(topology, python)),
+    engines = Engines(
+        topology, connector, state_dir, namespace, tuple(engine_command(topology, python)),
         PROBE_PATHS if has_quiet_probes(vllm_version) else (),
         internal_key is not None or has_api_key(topology.proxy),
     )
     specs = [
-        _engine_spec(engines, slot, _engine_env(topology, connector, state_dir, slot, cpu_count,
+        engine_spec(engines, slot, engine_env(topology, connector, state_dir, slot, cpu_count,
                                                 len(slots), internal_key))
         for slot in slots
     ]
-    proxy = _proxy_spec(topology, state_dir, specs, python, namespace, internal_key)
+    proxy = proxy_spec(topology, state_dir, specs, python, namespace, internal_key)
     store_dir = topology.cache.dir / namespace
     return Plan(
         name=topology.name, mode=topology.mode, state_dir=state_dir, namespace=namespace,
@@ -371,7 +252,7 @@ def proxy_config(topology: Topology, instances: Sequence[LaunchSpec],
     return ProxyConfig(models=(topology.model_name,), upstream_api_key=upstream_api_key, **knobs)
 
 
-def _proxy_spec(
+def proxy_spec(
     topology: Topology, state_dir: Path, specs: list[LaunchSpec], python: str, namespace: str,
     internal_key: str | None,
 ) -> LaunchSpec:

@@ -202,7 +202,7 @@ def start_detached(run: Run, timeout_s: float = STARTUP_TIMEOUT_S, *,
     A failed start leaves nothing running and raises StartupError (with the log excerpt);
     KeyboardInterrupt abandons the start, stops everything and is raised again.
     """
-    from epdctl.launch.supervisor import spawn_detached
+    from epdctl.launch.detached import spawn_detached
 
     _, fd = _claim(run)
     sdir = run.sdir

@@ -1,11 +1,9 @@
-"""The one supervisor loop (foreground `up`, or `python -m epdctl.launch.supervisor` for
+"""The one supervisor loop (foreground `up`, or `python -m epdctl.launch.detached` for
 `up -d`)."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -15,9 +13,8 @@ from types import FrameType
 
 from epdctl.errors import EpdctlError, InstanceDiedError, StartupError
 from epdctl.host import ipc
-from epdctl.host.private import open_append
 from epdctl.host.shm import mapped_files, release
-from epdctl.launch import restart_one
+from epdctl.launch import live, restart_one
 from epdctl.launch.drain import DRAIN_S, Drain
 from epdctl.launch.processes import (
     STOP_TIMEOUT_S,
@@ -50,6 +47,9 @@ class _Slot:
     probed_at: float = 0.0
     is_asked: bool = False
     """Restarted because `epdctl restart` asked: not counted as a restart after a failure."""
+    change: str | None = None
+    """The live change that added it, until it is first ready (a death before is the
+    change's failure, not the topology's)."""
 
 
 class Supervisor:
@@ -127,6 +127,7 @@ class Supervisor:
                 return EXIT_SIGINT if self.signals[0] == signal.SIGINT else EXIT_SIGTERM
             self._check_exits()
             self._restart_requested()
+            self._changes_requested()
             self._start_due()
             self._probe()
             self._stamper.tick()
@@ -172,12 +173,52 @@ class Supervisor:
             record.state, slot.restart_at, slot.is_asked = "backoff", time.monotonic(), True
             self._save()
 
+    def _changes_requested(self) -> None:
+        """`epdctl scale`, `switch`, `apply` (launch.live): forget and stop what goes, add
+        what comes (started by _start_due), and the proxy's spec for a later restart."""
+        for change in live.take(self.sdir.path):
+            if self.state.phase != "running":
+                live.log(self.sdir.path, {"id": change.id, "error": f"not running "
+                                          f"({self.state.phase}): nothing changed"})
+                continue
+            for name in change.remove:
+                self._forget(name)
+            for model in change.add:
+                self.state.specs.insert(len(self.state.specs) - 1, model)
+                self.slots.insert(len(self.slots) - 1, _Slot(model.spec(), change=change.id))
+                self._stamper.sizes.setdefault(model.spec().log_path, 0)
+            if change.proxy is not None:
+                self.state.specs[-1] = change.proxy
+                self.slots[-1].spec = change.proxy.spec()
+            if change.topology_path is not None:
+                self.state.topology_path = change.topology_path
+            print(f"epdctl: {change.reason}", file=sys.stderr, flush=True)
+            live.log(self.sdir.path, {"id": change.id, "reason": change.reason,
+                                      "remove": change.remove,
+                                      "add": [m.name for m in change.add]})
+            self._save()
+
+    def _forget(self, name: str) -> None:
+        """Stop an engine's group and drop it from the run (its log stays)."""
+        slot = next((s for s in self.slots if s.spec.name == name and not s.spec.is_proxy),
+                    None)
+        if slot is None:
+            return
+        if slot.proc is not None:
+            stop_all([slot.proc], self.stop_timeout_s)
+        record = self.state.records.pop(name, None)
+        if record is not None:
+            release(record.shm_files)
+        ipc.remove(ipc.ours(slot.spec.env, self.sdir.path, name))
+        self.slots.remove(slot)
+        self.state.specs = [s for s in self.state.specs if s.name != name]
+
     def _state(self, slot: _Slot) -> str:
         record = self.state.records.get(slot.spec.name)
         return record.state if record else "pending"
 
     def _check_exits(self) -> None:
-        for slot in self.slots:
+        for slot in list(self.slots):  # a live change's failed start leaves them
             if slot.proc is None or slot.proc.popen is None:
                 continue
             code = slot.proc.popen.poll()
@@ -192,6 +233,13 @@ class Supervisor:
             ipc.remove(ipc.ours(slot.spec.env, self.sdir.path, slot.spec.name))
             slot.proc = None
             name, log = slot.spec.name, slot.spec.log_path
+            if slot.change is not None:  # added live, never ready: the change failed
+                what = f"{exit_text(code)} while starting"
+                live.log(self.sdir.path, {"id": slot.change, "name": name,
+                                          "error": describe_failure(name, what, log, code)})
+                self._forget(name)
+                self._save()
+                continue
             if self.state.phase == "starting":
                 what = f"{exit_text(code)} while starting"
                 self._fail(StartupError, describe_failure(name, what, log, code))
@@ -281,6 +329,7 @@ class Supervisor:
             new = judge(True, is_ok, record.ready_at is not None)
             if is_ok and record.ready_at is None:
                 record.ready_at = time.time()
+                slot.change = None
             if new != record.state:
                 record.state = new  # type: ignore[assignment]
                 self._save()
@@ -322,52 +371,3 @@ class Supervisor:
         self.sdir.write(self.state)
         if self.on_change:
             self.on_change(self.state)
-
-
-def self_record() -> Record:
-    """This process as a Record (the detached supervisor writes itself into state.json)."""
-    import psutil
-
-    me = psutil.Process()
-    return Record(name="supervisor", pid=me.pid, pgid=os.getpgid(0),
-                  create_time=me.create_time(), started_at=time.time())
-
-
-def spawn_detached(sdir: StateDir, lock_fd: int, timeout_s: float) -> subprocess.Popen[bytes]:
-    """Start `python -m epdctl.launch.supervisor` in a session of its own, handing it the lock."""
-    from epdctl.launch.processes import MARK_DIR, MARK_NAME
-
-    log_path = sdir.logs_dir / "supervisor.log"
-    argv = [sys.executable, "-m", "epdctl.launch.supervisor", str(sdir.path),
-            "--lock-fd", str(lock_fd), "--timeout", str(timeout_s)]
-    env = {**os.environ, MARK_DIR: str(sdir.path), MARK_NAME: "supervisor"}
-    with open_append(log_path) as log:
-        # The child inherits our locked open file, so the lock passes to it without a gap.
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                pass_fds=(lock_fd,))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m epdctl.launch.supervisor STATE_DIR --lock-fd N --timeout S`: the `up -d` loop."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m epdctl.launch.supervisor")
-    parser.add_argument("state_dir", type=Path)
-    parser.add_argument("--lock-fd", type=int, required=True)
-    parser.add_argument("--timeout", type=float, default=STARTUP_TIMEOUT_S)
-    args = parser.parse_args(argv)
-    sdir = StateDir(args.state_dir)
-    sdir.adopt_lock(args.lock_fd)
-    try:
-        state = sdir.read()
-        state.supervisor = self_record()
-        sdir.write(state)
-        return Supervisor(sdir, state, timeout_s=args.timeout).run()
-    except EpdctlError as exc:
-        print(f"epdctl: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

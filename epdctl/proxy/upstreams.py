@@ -106,6 +106,31 @@ class Upstreams:
                 return pool, inst
         return None
 
+    def add(self, role: str, url: str) -> tuple[Pool, Instance]:
+        """Route to a new instance of `role` from now on (`epdctl scale`, `switch`, `apply`):
+        it is probed with the others, and whoever waits for an instance looks again. One
+        already routed to is kept as it is. KeyError: the proxy has no pool of `role` (a
+        topology's roles are fixed while it runs: they decide each request's path)."""
+        pool = self.pools[role]
+        found = self.find(url)
+        if found is not None:
+            return found
+        inst = Instance(url.rstrip("/"), role)
+        pool.instances.append(inst)
+        log.warning("adding %s instance %s", role, inst.url)
+        self._wake()
+        return pool, inst
+
+    def remove(self, pool: Pool, inst: Instance) -> None:
+        """Route nothing more to `inst` (what it has in flight goes on). ValueError: it is
+        the last of its role (every request of the role would have nowhere to go)."""
+        if pool.instances == [inst]:
+            raise ValueError(f"{inst.url} is the only {pool.role} instance")
+        pool.instances.remove(inst)
+        if inst.is_draining:
+            pool.draining -= 1
+        log.warning("removed %s instance %s", inst.role, inst.url)
+
     def set_draining(self, pool: Pool, inst: Instance, is_draining: bool) -> None:
         """Stop sending `inst` new requests, or take it back (then whoever waits for an
         instance of its role looks again)."""

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from epdctl.errors import StateError
+from epdctl.launch.detached import spawn_detached
 from epdctl.launch.processes import spawn
 from epdctl.launch.spec import LaunchSpec
 from epdctl.launch.state import StateDir
-from epdctl.launch.supervisor import spawn_detached
 from tests.launch.test_state import make_state
 
 

@@ -138,3 +138,61 @@ async def test_the_controls_need_the_key_and_say_what_is_wrong(rig_factory):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "seconds"
     assert (await rig.client.get("/epdctl/drain", headers=key)).status_code == 405
     assert not rig.proxy.is_draining
+
+
+async def test_an_added_instance_takes_requests_and_a_removed_one_none(rig_factory):
+    """`epdctl scale`'s controls: an instance added to a role's pool is picked from then on
+    (and shows on /health); a removed one first finishes what it has in flight, then is sent
+    nothing and is gone from /health."""
+    rig = rig_factory(prefill_decode=("http://pd0",))
+    added = await rig.client.post("/epdctl/instances/add",
+                                  json={"url": "http://pd1/", "role": "prefill_decode"})
+    assert added.json() == {"url": "http://pd1", "role": "prefill_decode", "instances": 2}
+    again = await rig.client.post("/epdctl/instances/add",
+                                  json={"url": "http://pd1", "role": "prefill_decode"})
+    assert again.json()["instances"] == 2  # the same URL twice: one instance
+    health = (await rig.client.get("/health")).json()
+    assert health["roles"]["prefill_decode"]["in"] == ["http://pd0", "http://pd1"]
+    answers = await asyncio.gather(*(rig.client.post("/v1/chat/completions", json=CHAT)
+                                     for _ in range(6)))
+    assert [a.status_code for a in answers] == [200] * 6
+    assert rig.fakes.to("pd1")  # the new one took some
+
+    release, entered = asyncio.Event(), []
+    rig.fakes.then("pd0", held(release, entered))
+    rig.fakes.then("pd1", held(release, entered))
+    first = [asyncio.ensure_future(rig.client.post("/v1/chat/completions", json=CHAT))
+             for _ in range(2)]
+    await until(lambda: sorted(entered) == ["pd0", "pd1"], "one request on each PD")
+    removing = asyncio.ensure_future(rig.client.post(
+        "/epdctl/instances/remove", json={"url": "http://pd0", "seconds": 30}))
+    pool = rig.proxy.upstreams.pools["prefill_decode"]
+    await until(lambda: pool.draining == 1, "pd0 draining")
+    assert not removing.done()
+    release.set()
+    assert [(await f).status_code for f in first] == [200, 200]
+    assert (await asyncio.wait_for(removing, 10)).json() == {"finished": 1, "in_flight": 0}
+    assert [i.url for i in pool.instances] == ["http://pd1"] and pool.draining == 0
+    before = len(rig.fakes.to("pd0"))
+    answers = await asyncio.gather(*(rig.client.post("/v1/chat/completions", json=CHAT)
+                                     for _ in range(4)))
+    assert [a.status_code for a in answers] == [200] * 4
+    assert len(rig.fakes.to("pd0")) == before
+    health = (await rig.client.get("/health")).json()
+    assert health["status"] == "ok" and health["roles"]["prefill_decode"]["in"] == [
+        "http://pd1"]
+
+
+async def test_adding_or_removing_what_cannot_change_is_refused(rig_factory):
+    rig = rig_factory()
+    last = await rig.client.post("/epdctl/instances/remove",
+                                 json={"url": "http://pd0", "seconds": 0})
+    assert last.status_code == 409 and "only prefill_decode" in last.json()["error"]["message"]
+    role = await rig.client.post("/epdctl/instances/add",
+                                 json={"url": "http://p0", "role": "prefill"})
+    assert role.status_code == 409 and "routes no role 'prefill'" in role.json()["error"][
+        "message"]
+    bad = await rig.client.post("/epdctl/instances/add", json={"url": "pd1", "role": "encode"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "url"
+    answer = await rig.client.post("/v1/chat/completions", json=CHAT)
+    assert answer.status_code == 200  # pd0 still serves

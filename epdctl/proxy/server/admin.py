@@ -8,6 +8,10 @@ key or the run's internal key; anyone where neither is set, as /health's URLs):
   (another of its role takes its requests, or they wait for it within replay_wait), then
   answer as above for its requests in flight.
 - `POST /epdctl/instances/admit {"url": U}`: send it requests again.
+- `POST /epdctl/instances/add {"url": U, "role": R}`: route requests of role R to the instance
+  at U too, from now on (`epdctl scale`, `switch`, `apply`: it is ready first).
+- `POST /epdctl/instances/remove {"url": U, "seconds": S}`: drain it as above, then route
+  nothing more to it: `{"finished": N, "in_flight": M}` (409: the last of its role).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class Admin:
             "/epdctl/drain": self._drain,
             "/epdctl/instances/drain": self._drain_instance,
             "/epdctl/instances/admit": self._admit,
+            "/epdctl/instances/add": self._add,
+            "/epdctl/instances/remove": self._remove,
         }
 
     def serves(self, path: str) -> bool:
@@ -72,6 +78,32 @@ class Admin:
         pool, inst = self._instance(control)
         self._proxy.upstreams.set_draining(pool, inst, False)
         return {"url": inst.url, "role": inst.role}
+
+    async def _add(self, control: dict[str, Any]) -> dict[str, Any]:
+        url, role = control.get("url"), control.get("role")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ProxyError(400, "`url` must be an http(s) URL", param="url")
+        upstreams = self._proxy.upstreams
+        if not isinstance(role, str) or role not in upstreams.pools:
+            raise ProxyError(409, f"this proxy routes no role {role!r} (its roles: "
+                             f"{', '.join(upstreams.pools)})", param="role")
+        pool, inst = upstreams.add(role, url)
+        return {"url": inst.url, "role": inst.role, "instances": len(pool.instances)}
+
+    async def _remove(self, control: dict[str, Any]) -> dict[str, Any]:
+        (pool, inst), seconds = self._instance(control), _seconds(control)
+        if pool.instances == [inst]:
+            raise ProxyError(409, f"{inst.url} is the only {inst.role} instance: requests of "
+                             "its role would have nowhere to go", param="url")
+        self._proxy.upstreams.set_draining(pool, inst, True)
+        settled = await _settle(lambda: inst.outstanding, seconds)
+        if inst in pool.instances:  # another remove of it may have ended first
+            try:
+                self._proxy.upstreams.remove(pool, inst)
+            except ValueError as exc:  # its peers were removed meanwhile: it stays, admitted
+                self._proxy.upstreams.set_draining(pool, inst, False)
+                raise ProxyError(409, f"{exc}: kept", param="url") from None
+        return settled
 
     def _instance(self, control: dict[str, Any]) -> Any:
         url = control.get("url")
