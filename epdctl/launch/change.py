@@ -164,18 +164,16 @@ class Placer:
         return engine_spec(self._shared, slot, env)
 
     def _free_gpus(self, role: RoleName, tp: int) -> tuple[str, ...]:
+        """The first `tp` visible GPUs no running instance holds (a role's `gpus` list places
+        its replicas at `up`; instances beyond them go where there is room)."""
         if self.topology.device != "cuda":
             return ()
         used = {g for s in self.engines for g in s.gpus}
-        listed = self.topology.roles[role].gpus
-        allowed = [str(g) for g in listed] if isinstance(listed, list) else self.visible_gpus
-        free = [g for g in self.visible_gpus if g not in used and g in allowed]
+        free = [g for g in self.visible_gpus if g not in used]
         if len(free) < tp:
             raise PlanError(f"no room for another {role} instance: it needs {tp} free GPU(s), "
-                            f"{len(free)} {'is' if len(free) == 1 else 'are'} free"
-                            + (f" among roles -> {role} -> gpus {listed}"
-                               if isinstance(listed, list) else "")
-                            + "; `epdctl switch` moves an instance's GPUs to another role")
+                            f"{len(free)} {'is' if len(free) == 1 else 'are'} free; `epdctl "
+                            "switch` moves an instance's GPUs to another role")
         return tuple(free[:tp])
 
     def _free_ports(self, role: RoleName, tp: int

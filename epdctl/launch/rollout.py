@@ -123,12 +123,18 @@ class Rollout:
     timeout_s: float
     say: Callable[[str], None] = lambda text: None
     topology_path: Path | None = None
+    """The file the run follows once the last step is done (`apply FILE`)."""
+    _is_last: bool = False
+    _followed: str = ""
+    """The file the run followed before (what an undo puts back)."""
 
     def run(self, steps: list[Step]) -> list[dict[str, Any]]:
         done = []
+        self._followed = self.sdir.read().topology_path
         for i, step in enumerate(steps):
             began = time.monotonic()
             self.say(f"{step.describe()} ({i + 1}/{len(steps)})")
+            self._is_last = i == len(steps) - 1
             drained = getattr(self, f"_{step.kind}")(self.sdir.read(), step)
             done.append({"step": step.kind, "name": step.name,
                          "role": (step.new or step.old).role,  # type: ignore[union-attr]
@@ -140,10 +146,14 @@ class Rollout:
     def _ask(self, step: Step, *, remove: tuple[LaunchSpec, ...] = (),
              add: tuple[LaunchSpec, ...] = (), proxy: LaunchSpec | None = None
              ) -> live.Request:
+        """Leave the supervisor a change; `proxy` given: an undo (the run's file stays)."""
+        path = str(self.topology_path.absolute()) if self.topology_path and self._is_last \
+            else None
         change = live.new_request(
-            f"{self.reason}: {step.describe()}", remove=[s.name for s in remove],
-            add=[SpecModel.of(s) for s in add], proxy=SpecModel.of(proxy or step.proxy),
-            topology_path=str(self.topology_path.absolute()) if self.topology_path else None)
+            f"{self.reason}: {step.describe()}" + (" (undone)" if proxy else ""),
+            remove=[s.name for s in remove], add=[SpecModel.of(s) for s in add],
+            proxy=SpecModel.of(proxy or step.proxy),
+            topology_path=self._followed if proxy else path)
         live.request(self.sdir, change)
         return change
 

@@ -178,3 +178,38 @@ def test_apply_refuses_what_a_running_topology_cannot_change(
         assert scale.returncode == 0 and scale.stdout.strip() == "add pd-1 (prefill_decode)"
     finally:
         assert epdctl(env, "down").returncode == 0
+
+
+def test_an_instance_that_does_not_come_up_is_undone_and_the_old_one_serves(
+        env: dict[str, str], fake_topology: Callable[..., Path], state_root: Path) -> None:
+    """apply's new pd-0 dies while starting: the command fails in one line saying so, the
+    old pd-0 is started again as it was, and the requests sent meanwhile are all answered
+    (they wait for it within the proxy's replay_wait)."""
+    topo = fake_topology(encode_args=None, pd_args=("--answer-after", "0.2"))
+    assert epdctl(env, "up", str(topo), "-d", "--timeout", "60").returncode == 0
+    url = proxy_url(state_root)
+    load = Load(url, clients=2)
+    try:
+        load.more(2, "the load under way")
+        edited = topo.with_name("broken.yaml")
+        edited.write_text(topo.read_text().replace(
+            "['--answer-after', '0.2']", "['--ready-after', '30', '--exit-after', '0.5']"))
+        result = epdctl(env, "apply", str(edited), "--timeout", "60", timeout_s=180)
+        assert result.returncode == 1, result.stderr
+        assert "exited with code 1 while starting" in result.stderr, result.stderr
+        assert "`pd-0` is back as it was" in result.stderr
+        assert _status(env) == {"pd-0": "ready"}
+        state = json.loads((state_root / "fake" / "state.json").read_text())
+        pd = next(s for s in state["specs"] if s["name"] == "pd-0")
+        assert pd["args"][-2:] == ["--answer-after", "0.2"]
+        assert state["topology_path"] == str(topo.absolute())
+        load.more(4, "answers from the old pd-0")
+    finally:
+        answers = load.end()
+    assert answers and all(is_whole(a, stream) for stream, a in answers), [
+        a for stream, a in answers if not is_whole(a, stream)][:3]
+    errors = [json.loads(line) for line in
+              (state_root / "fake" / "changes.jsonl").read_text().splitlines()]
+    assert any("exited with code 1 while starting" in e.get("error", "") for e in errors)
+    assert epdctl(env, "down").returncode == 0
+    assert marked_pids(state_root / "fake") == set()
