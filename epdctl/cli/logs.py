@@ -124,7 +124,8 @@ def _export(app: App, name: str | None, path: Path, since_s: float | None,
 
 
 def _instances(sdir: StateDir) -> tuple[RunState | None, list[str]]:
-    """The run's state (None if gone) and every log's name, in topology order."""
+    """The run's state (None if gone) and every log's name: the topology's order, then the
+    logs of instances it no longer has (a live change removed them)."""
     from epdctl.errors import EpdctlError, NotRunningError, StateError
 
     state: RunState | None
@@ -132,10 +133,9 @@ def _instances(sdir: StateDir) -> tuple[RunState | None, list[str]]:
         state = sdir.read()
     except (NotRunningError, StateError):
         state = sdir.last_run()  # after `down`, or with a corrupt state.json
-    if state is not None:
-        order = [s.name for s in state.specs]
-    else:
-        order = sorted(p.stem for p in sdir.logs_dir.glob("*.log") if p.stem != "supervisor")
+    kept = sorted(p.stem for p in sdir.logs_dir.glob("*.log") if p.stem != "supervisor")
+    order = [s.name for s in state.specs] if state is not None else []
+    order += [name for name in kept if name not in order]  # instances a live change removed
     if (sdir.logs_dir / "supervisor.log").exists():
         order.append("supervisor")
     if not order:

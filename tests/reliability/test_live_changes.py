@@ -128,6 +128,8 @@ def test_scale_switch_and_apply_while_serving_lose_nothing(
     assert [e["reason"].split(":")[0] for e in log if "reason" in e] == [
         "scale pd=2", "switch pd-1 encode", "switch encode-1 prefill_decode",
         f"apply {edited}", f"apply {edited}"]
+    removed = epdctl(env, "logs", "encode-1", "-n", "3")  # its log outlives it
+    assert removed.returncode == 0 and "encode-1" in removed.stdout, removed.stderr
     assert epdctl(env, "down").returncode == 0
     assert marked_pids(state_root / "fake") == set()
 
