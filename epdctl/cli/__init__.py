@@ -16,6 +16,7 @@ from epdctl.cli.change import apply, scale, switch
 from epdctl.cli.doctor import doctor
 from epdctl.cli.down import down
 from epdctl.cli.logs import logs
+from epdctl.cli.rebalance import rebalance
 from epdctl.cli.render import render
 from epdctl.cli.restart import restart
 from epdctl.cli.status import status
@@ -70,6 +71,7 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     epdctl scale pd=2                       add or remove instances, while serving
     epdctl switch pd-1 encode               move an instance's GPUs to another role
     epdctl apply topology.yaml              bring it to an edited file: what changed
+    epdctl rebalance --profiles DIR --slo ...   move GPUs between roles for the traffic now
     epdctl down                             stop everything (after a drain)
     """
     app = App(verbose=verbose, color=color)
@@ -78,8 +80,8 @@ def cli(ctx: click.Context, state_root: Path | None, verbose: int, color: bool |
     ctx.obj = app
 
 
-for command in (up, down, restart, scale, switch, apply, status, logs, top, cache, verify,
-                bench, tune, render, doctor):
+for command in (up, down, restart, scale, switch, apply, rebalance, status, logs, top, cache,
+                verify, bench, tune, render, doctor):
     cli.add_command(command)
 
 

@@ -16,7 +16,7 @@ from epdctl.launch.drain import DRAIN_S
 from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 
 
-def _options(command: Callable[..., Any]) -> Callable[..., Any]:
+def change_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """What every live change takes."""
     for option in reversed([
         click.option("--name", "topology", metavar="NAME",
@@ -35,7 +35,7 @@ def _options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-def _run(app: App, opts: dict[str, Any], reason: str,
+def run_change(app: App, opts: dict[str, Any], reason: str,
          plan: Callable[[Any, Any], list[Any]], topology_file: Path | None = None) -> None:
     """Plan with the running topology's Placer (`plan(placer, sdir)`), then carry out."""
     from epdctl.errors import ChangeError
@@ -98,7 +98,7 @@ def _unchanged_file(placer: Any, state: Any) -> None:
 
 @click.command()
 @click.argument("counts", nargs=-1, required=True, metavar="ROLE=N...")
-@_options
+@change_options
 @pass_app
 def scale(app: App, counts: tuple[str, ...], **opts: Any) -> None:
     """Add or remove instances of a role while the topology serves
@@ -129,13 +129,13 @@ def scale(app: App, counts: tuple[str, ...], **opts: Any) -> None:
         _unchanged_file(placer, state)
         return scale_steps(placer, wanted)
 
-    _run(app, opts, "scale " + " ".join(counts), plan)
+    run_change(app, opts, "scale " + " ".join(counts), plan)
 
 
 @click.command()
 @click.argument("name", metavar="NAME")
 @click.argument("role", metavar="ROLE")
-@_options
+@change_options
 @pass_app
 def switch(app: App, name: str, role: str, **opts: Any) -> None:
     """Move an instance's GPUs to another role while the topology serves
@@ -158,12 +158,12 @@ def switch(app: App, name: str, role: str, **opts: Any) -> None:
         _unchanged_file(placer, state)
         return switch_steps(placer, name, target)
 
-    _run(app, opts, f"switch {name} {target}", plan)
+    run_change(app, opts, f"switch {name} {target}", plan)
 
 
 @click.command()
 @click.argument("file", type=click.Path(path_type=Path), metavar="FILE")
-@_options
+@change_options
 @pass_app
 def apply(app: App, file: Path, **opts: Any) -> None:
     """Bring a running topology to an edited file, while it serves
@@ -177,4 +177,4 @@ def apply(app: App, file: Path, **opts: Any) -> None:
     """
     from epdctl.launch.rollout import apply_steps
 
-    _run(app, opts, f"apply {file}", lambda placer, state: apply_steps(placer), file)
+    run_change(app, opts, f"apply {file}", lambda placer, state: apply_steps(placer), file)

@@ -18,10 +18,31 @@ from epdctl.launch.readiness import STARTUP_TIMEOUT_S
 if TYPE_CHECKING:
     from epdctl.launch.run import Run
     from epdctl.launch.state import RunState
+    from epdctl.topology.model import Topology
 
 
 def _warn(app: App) -> Callable[[str], None]:
     return lambda text: app.err.print(Text(text, style="yellow"))
+
+
+def _rebalancer(app: App, run_dir: Path, state: RunState) -> None:
+    """`up --rebalance`: the rebalancer, beside the run (its log: `epdctl logs rebalancer`)."""
+    if state.settings.rebalance is None:
+        return
+    from epdctl.launch.sidecars import python_module, spawn
+
+    spawn(run_dir, "rebalancer", python_module("epdctl.rebalance.loop", str(run_dir)))
+    section = state.settings.rebalance
+    app.err.print(f"Rebalancing every {section.every:g}s on the last {section.window:g}s of "
+                  f"traffic (rebalance.jsonl; moves in changes.jsonl).", markup=False)
+
+
+def _check_rebalance(topology: Topology) -> None:
+    """What the rebalancer needs, refused in one line before anything starts."""
+    from epdctl.rebalance.judge import Policy
+    from epdctl.tune.runner import saved_profile
+
+    saved_profile(Policy.of(topology.rebalance).profiles)
 
 
 def _foreground(app: App, run: Run, timeout_s: float) -> int:
@@ -32,6 +53,7 @@ def _foreground(app: App, run: Run, timeout_s: float) -> int:
     def ready(state: RunState) -> None:
         progress.close()
         app.out.print(summary(state))
+        _rebalancer(app, run.sdir.path, state)
         app.err.print("Ctrl+C drains (the requests in flight finish), then stops everything; "
                       "twice stops at once.", markup=False)
 
@@ -53,6 +75,7 @@ def _detached(app: App, run: Run, timeout_s: float) -> None:
     finally:
         progress.close()
     app.out.print(summary(state))
+    _rebalancer(app, run.sdir.path, state)
     app.err.print(f"Detached; `epdctl down --name {state.name}` stops it.", markup=False)
 
 
@@ -64,13 +87,24 @@ def _detached(app: App, run: Run, timeout_s: float) -> None:
               show_default=True, help="Seconds every instance gets to become ready.")
 @click.option("--dry-run", "is_dry_run", is_flag=True,
               help="Print each instance's command and environment; start nothing.")
+@click.option("--rebalance", "is_rebalanced", is_flag=True,
+              help="Move GPUs between roles as the traffic shifts, by the topology's "
+              "`rebalance:` section (its profiles and SLO; docs/live.md).")
 @pass_app
 def up(app: App, topology_path: Path, is_detached: bool, timeout_s: float,
-       is_dry_run: bool) -> None:
+       is_dry_run: bool, is_rebalanced: bool) -> None:
     """Start a topology and wait until every instance is ready"""
-    from epdctl.launch.run import prepare
+    from dataclasses import replace
 
-    run = prepare(topology_path, app.state_root, is_dry_run=is_dry_run, warn=_warn(app))
+    from epdctl.launch.run import prepare
+    from epdctl.topology.model import load_topology
+
+    topology = load_topology(topology_path)
+    if (is_rebalanced or topology.rebalance.enabled) and not is_dry_run:
+        _check_rebalance(topology)
+    run = prepare(topology_path, app.state_root, is_dry_run=is_dry_run, warn=_warn(app),
+                  topology=topology)
+    run = replace(run, is_rebalanced=is_rebalanced)
     if is_dry_run:
         for spec in run.plan.specs:
             app.out.print(f"# {spec.name} ({spec.role})\n{spec.shell()}", markup=False)

@@ -24,6 +24,7 @@ from epdctl.errors import (
 )
 from epdctl.host import ipc
 from epdctl.host.shm import release
+from epdctl.launch import sidecars
 from epdctl.launch.processes import (
     STOP_TIMEOUT_S,
     Proc,
@@ -84,14 +85,18 @@ class Run:
     plan: Plan
     sdir: StateDir
     """Its state dir (one object: it holds the lock while the run starts)."""
+    is_rebalanced: bool = False
+    """`up --rebalance` (or `rebalance.enabled`): the rebalancer's policy goes into state."""
 
     @property
     def topology(self) -> Topology:
         return self.resolved.topology
 
     def initial_state(self) -> RunState:
-        return RunState.of(self.plan, str(self.topology_path.absolute()),
-                           settings_of(self.topology))
+        settings = settings_of(self.topology)
+        if self.is_rebalanced or self.topology.rebalance.enabled:
+            settings = settings.model_copy(update={"rebalance": self.topology.rebalance})
+        return RunState.of(self.plan, str(self.topology_path.absolute()), settings)
 
 
 def prepare(topology_path: Path, state_root: Path, *, is_dry_run: bool = False,
@@ -283,6 +288,9 @@ def _stop_processes(
     should_scan: bool = False,
 ) -> StopResult:
     deadline = time.monotonic() + timeout_s
+    helpers = [p for p in sidecars.recorded(sdir.path)  # what acts on the run goes first
+               if process_matches(p.pid, p.create_time)]
+    helped = stop_all(helpers, min(timeout_s, 10.0)) if helpers else StopResult()
     procs: list[Proc] = []
     if state is not None:
         # Supervisor first (a stuck one must not restart what we stop), then proxy first.
@@ -310,6 +318,7 @@ def _stop_processes(
         for spec in state.specs:
             ipc.remove(ipc.ours(spec.env, sdir.path, spec.name))
     ipc.remove_all(sdir.path)  # what no state names any more (`down --force`)
+    sidecars.forget(sdir.path)
     killed = list(last.killed)
     if is_sup_alive:  # what it SIGKILLed itself, it wrote down
         try:
@@ -317,5 +326,6 @@ def _stop_processes(
         except EpdctlError:
             pass
     stopped = [n for n in alive if n not in killed and n not in last.stale]
-    return StopResult(stopped=stopped, killed=killed, stale=last.stale)
+    return StopResult(stopped=helped.stopped + stopped, killed=helped.killed + killed,
+                      stale=last.stale)
 

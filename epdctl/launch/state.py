@@ -16,7 +16,7 @@ from epdctl.errors import AlreadyRunningError, EpdctlError, NotRunningError, Sta
 from epdctl.host import private
 from epdctl.launch.spec import HOST, LaunchSpec, Plan
 from epdctl.proxy.config import API_KEY_ENV, UPSTREAM_KEY_ENV
-from epdctl.topology.sections import Cache, Restart
+from epdctl.topology.sections import Cache, Rebalance, Restart
 
 STATE_VERSION = 2
 # Kept by `down` instead of state.json, so `logs` still knows names and their order.
@@ -112,6 +112,8 @@ class Settings(BaseModel):
     cache_ttl_s: float = _CACHE.ttl
     cache_grace_s: float = _CACHE.grace
     keep_cache_on_down: bool = _CACHE.keep_on_down
+    rebalance: Rebalance | None = None
+    """`up --rebalance` (or `rebalance.enabled`): the rebalancer's policy (else none runs)."""
 
 
 class RunState(BaseModel):

@@ -129,13 +129,15 @@ def _engine_pod(role: EngineRole, image: str, argv: list[str], env: list[Obj],
 def _template(topology: Topology, role: str, pod: Obj, extra: Mapping[str, str] = {}) -> Obj:
     # The checksum changes the pod template when the topology does, so pods roll on apply.
     # Fields added since count only when set, so an unchanged topology keeps its checksum;
-    # not cache.dir: unused in the cluster, and its default differs per user (uid).
-    later = {"cache": {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set}
-             | {"dir"},
-             "engine": {f for f in LATER_ENGINE_FIELDS
-                        if f not in topology.engine.model_fields_set},
-             "restart": {f for f in LATER_RESTART_FIELDS
-                         if f not in topology.restart.model_fields_set}}
+    # not cache.dir: unused in the cluster, and its default differs per user (uid); not
+    # rebalance: `up --rebalance` moves GPUs on one machine, nothing in the cluster reads it.
+    later: dict[str, Any] = {
+        "rebalance": True,
+        "cache": {f for f in LATER_CACHE_FIELDS if f not in topology.cache.model_fields_set}
+        | {"dir"},
+        "engine": {f for f in LATER_ENGINE_FIELDS if f not in topology.engine.model_fields_set},
+        "restart": {f for f in LATER_RESTART_FIELDS
+                    if f not in topology.restart.model_fields_set}}
     digest = hashlib.sha256(topology.model_dump_json(exclude=later).encode()).hexdigest()[:16]
     return {
         "metadata": {"labels": {**labels(topology, role), **extra},

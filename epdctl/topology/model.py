@@ -26,6 +26,7 @@ from epdctl.topology.sections import (
     Engine,
     Ports,
     Proxy,
+    Rebalance,
     Restart,
     Role,
     parse_duration,
@@ -157,6 +158,8 @@ class Topology(BaseModel):
     """Where instance and NIXL side-channel port numbers start."""
     restart: Restart = Restart()
     """What happens when an instance exits while serving."""
+    rebalance: Rebalance = Rebalance()
+    """Moving GPUs between roles as the traffic shifts (`up --rebalance`)."""
     roles: dict[RoleName, Role]
     """`encode` + `prefill_decode` (E|PD), `encode` + `prefill` + `decode` (E|P|D), or the
     same without `encode` (a baseline with no encoder disaggregation)."""
@@ -262,7 +265,7 @@ class Topology(BaseModel):
 
 _SECTIONS: dict[str, type[BaseModel]] = {
     "engine": Engine, "cache": Cache, "kv": KV, "proxy": Proxy, "ports": Ports,
-    "restart": Restart,
+    "restart": Restart, "rebalance": Rebalance,
 }
 
 
@@ -325,6 +328,11 @@ def _with_paths_resolved(data: Any, base: Path) -> Any:
     cache = data.get("cache")
     if isinstance(cache, dict) and isinstance(cache.get("dir"), str):
         data["cache"] = {**cache, "dir": str((base / Path(cache["dir"]).expanduser()).absolute())}
+    rebalance = data.get("rebalance")
+    if isinstance(rebalance, dict):
+        data["rebalance"] = {k: str((base / Path(v).expanduser()).absolute())
+                             if k in ("profiles", "model_facts") and isinstance(v, str) else v
+                             for k, v in rebalance.items()}
     proxy = data.get("proxy")
     if isinstance(proxy, dict) and isinstance(proxy.get("api_key_file"), str):
         key_file = Path(proxy["api_key_file"]).expanduser()

@@ -250,6 +250,44 @@ class Restart(BaseModel):
         return "no" if value is False else value
 
 
+def _check_slo(value: str) -> str:
+    for pair in value.split(","):
+        metric, sep, ms = pair.partition("=")
+        if not sep or metric.strip() not in ("ttft", "tpot") or not re.fullmatch(
+                r"\s*\d+(\.\d+)?\s*(ms)?\s*", ms):
+            raise ValueError(f"expected ttft=MS,tpot=MS, got {show(value)}")
+    return value
+
+
+class Rebalance(BaseModel):
+    """How `up --rebalance` moves GPUs between roles as the traffic shifts (docs/live.md):
+    every `every`, the requests of the last `window` are run through tune's model on each
+    split a switch reaches; a move is made where it pays back within `interval`."""
+
+    model_config = _CONFIG
+
+    enabled: Bool = False
+    """Rebalance without `up --rebalance`."""
+    profiles: Path | None = None
+    """The `--out` of a `tune` run of this model on this machine (its profiles.json)."""
+    slo: Annotated[str, AfterValidator(_check_slo)] | None = None
+    """The SLO the split is chosen for: `ttft=MS,tpot=MS`."""
+    every: Seconds = 30.0
+    """How often it looks."""
+    window: Seconds = 120.0
+    """How far back the traffic it judges goes."""
+    interval: Seconds = 600.0
+    """How long a move must pay for itself in (its switches included)."""
+    min_gap: Seconds = 300.0
+    """The least time between two moves (with `margin`, what keeps it from flapping)."""
+    margin: Annotated[float, Field(ge=0)] = 0.05
+    """How much more a move must be predicted to serve within the SLO than staying."""
+    switch_seconds: Seconds | None = None
+    """What one switch costs (default: the longest start of the running instances)."""
+    model_facts: Path | None = None
+    """The model's facts, as given to `tune --model-facts` (default: from its config)."""
+
+
 class Ports(BaseModel):
     """Where port planning starts."""
 

@@ -180,16 +180,39 @@ def gather_profiles(cands: Sequence[Candidate], settings: Settings, profiler: Pr
                               "series": got.series, "kv_ms": got.kv_ms,
                               "sharing_slowdown": got.sharing_slowdown, "ec_ms": got.ec_ms}
         _save(path, key, store)
+    if skipped:
+        progress.line(f"the budget is spent: not profiled {', '.join(skipped)}")
+    return merged(store), skipped
+
+
+def merged(store: dict[str, Any]) -> Profile:
+    """One Profile of a profiles.json's entries (each probe's stages, the first of a key
+    kept; the hand-off costs averaged)."""
     stages: dict[str, StepCost] = {}
     for entry in store.values():
         for key, cost in entry.get("stages", {}).items():
             stages.setdefault(key, StepCost(**cost))
-    if skipped:
-        progress.line(f"the budget is spent: not profiled {', '.join(skipped)}")
     return Profile(stages, ec_handoff_ms=mean(_values(store, "ec_ms")),
                    kv_fixed_ms=mean(_values(store, "kv_ms")),
-                   sharing_slowdown=max(_values(store, "sharing_slowdown"), default=0.0)), \
-        skipped
+                   sharing_slowdown=max(_values(store, "sharing_slowdown"), default=0.0))
+
+
+def saved_profile(out_dir: Path) -> tuple[Profile, dict[str, Any]]:
+    """The profiles a `tune --out DIR` kept, whatever workload they were made for (the
+    stages' costs do not depend on it), and that workload (its image size is what an
+    image's encoding work is counted in); BenchError in one line where there are none."""
+    from epdctl.errors import BenchError
+
+    path = out_dir / PROFILES
+    try:
+        data = json.loads(path.read_text())
+        entries = data["entries"]
+        if not isinstance(entries, dict) or not entries:
+            raise ValueError("no entries")
+        return merged(entries), json.loads(data["key"])["workload"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"no profiles in {path} ({exc}): give the --out of a `tune` run of "
+                         "this topology's model on this machine") from None
 
 
 def _values(store: dict[str, Any], name: str) -> list[float]:
