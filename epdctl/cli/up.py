@@ -25,16 +25,12 @@ def _warn(app: App) -> Callable[[str], None]:
     return lambda text: app.err.print(Text(text, style="yellow"))
 
 
-def _rebalancer(app: App, run_dir: Path, state: RunState) -> None:
-    """`up --rebalance`: the rebalancer, beside the run (its log: `epdctl logs rebalancer`)."""
-    if state.settings.rebalance is None:
-        return
-    from epdctl.launch.sidecars import python_module, spawn
-
-    spawn(run_dir, "rebalancer", python_module("epdctl.rebalance.loop", str(run_dir)))
+def _rebalancer(app: App, state: RunState) -> None:
+    """Say that the rebalancer runs (the supervisor started it: `epdctl logs rebalancer`)."""
     section = state.settings.rebalance
-    app.err.print(f"Rebalancing every {section.every:g}s on the last {section.window:g}s of "
-                  f"traffic (rebalance.jsonl; moves in changes.jsonl).", markup=False)
+    if section is not None:
+        app.err.print(f"Rebalancing every {section.every:g}s on the last {section.window:g}s "
+                      "of traffic (rebalance.jsonl; its moves in changes.jsonl).", markup=False)
 
 
 def _check_rebalance(topology: Topology) -> None:
@@ -53,7 +49,7 @@ def _foreground(app: App, run: Run, timeout_s: float) -> int:
     def ready(state: RunState) -> None:
         progress.close()
         app.out.print(summary(state))
-        _rebalancer(app, run.sdir.path, state)
+        _rebalancer(app, state)
         app.err.print("Ctrl+C drains (the requests in flight finish), then stops everything; "
                       "twice stops at once.", markup=False)
 
@@ -75,7 +71,7 @@ def _detached(app: App, run: Run, timeout_s: float) -> None:
     finally:
         progress.close()
     app.out.print(summary(state))
-    _rebalancer(app, run.sdir.path, state)
+    _rebalancer(app, state)
     app.err.print(f"Detached; `epdctl down --name {state.name}` stops it.", markup=False)
 
 

@@ -14,7 +14,7 @@ from types import FrameType
 from epdctl.errors import EpdctlError, InstanceDiedError, StartupError
 from epdctl.host import ipc
 from epdctl.host.shm import mapped_files, release
-from epdctl.launch import live, restart_one
+from epdctl.launch import live, restart_one, sidecars
 from epdctl.launch.drain import DRAIN_S, Drain
 from epdctl.launch.processes import (
     STOP_TIMEOUT_S,
@@ -32,6 +32,8 @@ from epdctl.launch.state import Record, RunState, StateDir
 from epdctl.logs.stamps import Stamper
 
 TICK_S = 0.2
+REBALANCER = "rebalancer"
+"""The sidecar `up --rebalance` runs (python -m epdctl.rebalance.loop)."""
 HEALTH_INTERVAL_S = 5.0
 JANITOR_INTERVAL_S = 5.0
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
@@ -135,6 +137,9 @@ class Supervisor:
                 if all(self._state(s) == "ready" for s in self.slots):
                     self.state.phase = "running"
                     self._save()
+                    if self.state.settings.rebalance is not None:  # `up --rebalance`
+                        sidecars.spawn(self.sdir.path, REBALANCER, sidecars.python_module(
+                            "epdctl.rebalance.loop", str(self.sdir.path)))
                     if self.on_ready:
                         self.on_ready(self.state)
                 elif time.monotonic() > deadline:
