@@ -139,12 +139,15 @@ def arm(name: str, topology: Path, run_dir: Path, trace: Path, model: str) -> di
     kept = run_dir / f"{name}.json"
     if kept.exists():
         return dict(json.loads(kept.read_text()))
+    import yaml
+
     state = run_dir / f"state-{name}"
+    run = state / yaml.safe_load(topology.read_text())["name"]
     up = cli(state, "up", str(topology), "-d", "--timeout", "600")
     if up.returncode != 0:
         raise SystemExit(f"{name}: up failed: {up.stderr[-2000:]}")
     try:
-        doc = json.loads((state / "sim" / "state.json").read_text())
+        doc = json.loads((run / "state.json").read_text())
         url = f"http://127.0.0.1:{next(s for s in doc['specs'] if s['role'] == 'proxy')['port']}"
         slo = [f"{k}:{v}" for k, v in (p.split("=") for p in
                                        tune_bench.slo_for(model, 4).split(","))]
@@ -155,7 +158,7 @@ def arm(name: str, topology: Path, run_dir: Path, trace: Path, model: str) -> di
             text=True, capture_output=True, check=False)
         if replay.returncode != 0:
             raise SystemExit(f"{name}: replay failed: {replay.stderr[-2000:]}")
-        changes = _lines(state / "sim" / "changes.jsonl")
+        changes = _lines(run / "changes.jsonl")
     finally:
         cli(state, "down")
     figures = json.loads((run_dir / f"{name}-replay.json").read_text())

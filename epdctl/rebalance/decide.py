@@ -84,6 +84,10 @@ def decide(current: Shape, profile: Profile, workload: TraceWorkload, slo: Slo, 
     now = options[0]
     best = max(options, key=lambda o: (round(o.share, 3), o.knee))
     stay = now.share * rate * interval_s
+    if len(options) == 1:
+        return Decision(rate, now, best, options, stay=stay, move=stay,
+                        why=f"a switch reaches no other split of {current.label} (whole "
+                        "GPUs move between roles of one instance size)")
     if best.shape == current:
         return Decision(rate, now, best, options, stay=stay, move=stay,
                         why=f"the running split {current.label} is predicted best for this "

@@ -99,6 +99,10 @@ def test_rebalance_moves_pd_gpus_to_the_encoders_for_albums(tmp_path: Path) -> N
         assert plan["current"]["split"] == "1E+3PD" and plan["best"]["split"] == "3E+1PD"
         assert plan["act"] and plan["best"]["share"] > plan["current"]["share"]
         assert plan["switches"] == ["epdctl switch pd-2 encode", "epdctl switch pd-1 encode"]
+        text = epdctl(*args, "--dry-run")  # the table, the verdict and the commands
+        assert text.returncode == 0 and "Moving: 3E+1PD serves" in text.stderr, text.stderr
+        assert "1E+3PD" in text.stdout and "running" in text.stdout and "best" in text.stdout
+        assert "epdctl switch pd-2 encode" in text.stdout
 
         moved = epdctl(*args, "--json")
         assert moved.returncode == 0, moved.stderr
