@@ -1,7 +1,7 @@
 """`up --rebalance` against the best static topology, on the simulated machine.
 
     .venv/bin/python benchmarks/rebalance.py [--models encode-heavy,decode-heavy,sharing-sensitive]
-        [--phase-seconds 150] [--budget 15m] [--out DIR] [--port-offset N]
+        [--phase-seconds 150] [--budget 15m] [--out DIR] [--port-offset N] [--also 2E+2PD]
 
 For each cost model of examples/sim/ on 4 fake GPUs (its engines paying STARTUP_S to start:
 loading weights, what a switch costs):
@@ -20,7 +20,10 @@ Each run's row: goodput (requests within the SLO per second over the trace) of b
 ratio, requests without an answer, the rebalancer's switches and flaps (a switch undone
 within one interval). Ends with one line: gain_vs_static= (b / a, worst over the models;
 goal >= 1.25) lost= (requests without an answer in (b), all models; goal 0) switches=
-flaps= (goal 0).
+flaps= (goal 0). `--also 2E+2PD` runs that start too, static and rebalanced (whole GPUs, which
+a switch moves: a pick that is aggregated, or shares GPUs between E and PD, leaves the
+rebalancer nothing to move), its figures in the row as `from_2E+2PD` and in a line of its
+own before the last.
 
 A run can be stopped and started again with the same --out: tune's result and each arm's
 result are kept (tune.json, static.json, rebalanced.json) and only what is missing runs.
@@ -119,6 +122,25 @@ def tuned(run_dir: Path, model: str, base: Path, cost: Path, budget: str) -> dic
     return out
 
 
+def split_topology(base: Path, split: str, run_dir: Path) -> Path:
+    """The base as `split` (`2E+2PD`: encoders and PDs of one GPU each, in that order)."""
+    import re
+
+    import yaml
+
+    match = re.fullmatch(r"(\d+)E\+(\d+)PD", split)
+    if match is None:
+        raise SystemExit(f"--also {split}: expected nE+mPD")
+    e, pd = int(match[1]), int(match[2])
+    data = yaml.safe_load(base.read_text())
+    data["name"] = f"sim-{split.lower().replace('+', '-')}"
+    data["roles"] = {"encode": {"gpus": list(range(e)), "replicas": e},
+                     "prefill_decode": {"gpus": list(range(e, e + pd)), "replicas": pd}}
+    path = run_dir / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def rebalanced(pick: Path, run_dir: Path, model: str, phase_s: float) -> Path:
     """The pick with a `rebalance:` section on tune's profiles (enabled: as --rebalance)."""
     import yaml
@@ -128,7 +150,7 @@ def rebalanced(pick: Path, run_dir: Path, model: str, phase_s: float) -> Path:
                          "slo": tune_bench.slo_for(model, 4), "every": EVERY_S,
                          "window": WINDOW_S, "interval": phase_s, "min_gap": MIN_GAP_S,
                          "model_facts": str(run_dir / f"{model}.yaml")}
-    path = run_dir / "pick-rebalanced.yaml"
+    path = pick.with_name(f"{pick.stem}-rebalanced.yaml")
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -197,14 +219,29 @@ def run_one(model: str, args: argparse.Namespace) -> dict[str, Any]:
     static = arm("static", run_dir / "pick.yaml", run_dir, trace, model)
     moved = arm("rebalanced", rebalanced(run_dir / "pick.yaml", run_dir, model,
                                          args.phase_seconds), run_dir, trace, model)
-    return {"model": model, "pick": pick["pick"], "shape": pick["shape"],
-            "rate": round(rate, 3), "requests": per_phase * len(PHASES),
-            "goodput_static": static["goodput"], "goodput_rebalanced": moved["goodput"],
+    row = {"model": model, "pick": pick["pick"], "shape": pick["shape"],
+           "rate": round(rate, 3), "requests": per_phase * len(PHASES),
+           **_pair(static, moved, args.phase_seconds)}
+    for split in args.also:  # another start, whole GPUs a switch can move: static vs not
+        start = split_topology(base, split, run_dir)
+        tag = split.lower().replace("+", "-")
+        there = arm(f"static-{tag}", start, run_dir, trace, model)
+        moving = arm(f"rebalanced-{tag}", rebalanced(start, run_dir, model,
+                                                     args.phase_seconds),
+                     run_dir, trace, model)
+        row[f"from_{split}"] = _pair(there, moving, args.phase_seconds)
+    return row
+
+
+def _pair(static: dict[str, Any], moved: dict[str, Any], interval_s: float
+          ) -> dict[str, Any]:
+    """One start static and rebalanced: goodputs, gain, lost, switches, flaps."""
+    return {"goodput_static": static["goodput"], "goodput_rebalanced": moved["goodput"],
             "gain": moved["goodput"] / static["goodput"] if static["goodput"] else math.inf,
             "lost": moved["requests"] - moved["completed"],
             "lost_static": static["requests"] - static["completed"],
             "switches": sum(len(m["add"]) for m in moved["moves"]),
-            "flaps": flaps(moved["moves"], args.phase_seconds)}
+            "flaps": flaps(moved["moves"], interval_s)}
 
 
 def main() -> None:
@@ -215,12 +252,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" /
                         "rebalance")
     parser.add_argument("--port-offset", type=int, default=0)
+    parser.add_argument("--also", action="append", default=[], metavar="nE+mPD",
+                        help="another start as well (whole GPUs: what a switch moves), static "
+                        "and rebalanced; its figures beside the row's (from_nE+mPD)")
     args = parser.parse_args()
     rows = []
     for model in args.models.split(","):
         row = run_one(model, args)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    for split in args.also:
+        pairs = [r[f"from_{split}"] for r in rows]
+        print(f"from {split}: gain={min(p['gain'] for p in pairs):.3f} "
+              f"lost={sum(p['lost'] for p in pairs)} "
+              f"switches={sum(p['switches'] for p in pairs)} "
+              f"flaps={sum(p['flaps'] for p in pairs)}")
     print(f"gain_vs_static={min(r['gain'] for r in rows):.3f} "
           f"lost={sum(r['lost'] for r in rows)} switches={sum(r['switches'] for r in rows)} "
           f"flaps={sum(r['flaps'] for r in rows)}")

@@ -54,3 +54,14 @@ def test_the_rebalanced_arm_is_the_pick_with_a_section_on_tunes_profiles(tmp_pat
     assert (section.every, section.window, section.interval, section.min_gap) == (
         bench.EVERY_S, bench.WINDOW_S, 150.0, bench.MIN_GAP_S)
     assert section.slo == "ttft=3000,tpot=60"
+
+
+def test_another_start_is_the_base_split_as_asked(tmp_path: Path) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text("name: sim\nmodel: sim-model\nroles:\n  prefill_decode: {gpus: [0]}\n")
+    topology = load_topology(bench.split_topology(base, "1E+3PD", tmp_path))
+    assert topology.name == "sim-1e-3pd"
+    assert (topology.roles["encode"].gpus, topology.roles["prefill_decode"].gpus) == (
+        [0], [1, 2, 3])
+    with pytest.raises(SystemExit, match="expected nE"):
+        bench.split_topology(base, "2PD", tmp_path)
