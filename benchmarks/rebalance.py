@@ -236,8 +236,10 @@ def run_one(model: str, args: argparse.Namespace) -> dict[str, Any]:
 def _pair(static: dict[str, Any], moved: dict[str, Any], interval_s: float
           ) -> dict[str, Any]:
     """One start static and rebalanced: goodputs, gain, lost, switches, flaps."""
+    gain = moved["goodput"] / static["goodput"] if static["goodput"] else \
+        None if not moved["goodput"] else math.inf  # None: neither served any in the SLO
     return {"goodput_static": static["goodput"], "goodput_rebalanced": moved["goodput"],
-            "gain": moved["goodput"] / static["goodput"] if static["goodput"] else math.inf,
+            "gain": gain,
             "lost": moved["requests"] - moved["completed"],
             "lost_static": static["requests"] - static["completed"],
             "switches": sum(len(m["add"]) for m in moved["moves"]),
@@ -263,13 +265,19 @@ def main() -> None:
         rows.append(row)
     for split in args.also:
         pairs = [r[f"from_{split}"] for r in rows]
-        print(f"from {split}: gain={min(p['gain'] for p in pairs):.3f} "
+        print(f"from {split}: gain={_worst(p['gain'] for p in pairs)} "
               f"lost={sum(p['lost'] for p in pairs)} "
               f"switches={sum(p['switches'] for p in pairs)} "
               f"flaps={sum(p['flaps'] for p in pairs)}")
-    print(f"gain_vs_static={min(r['gain'] for r in rows):.3f} "
+    print(f"gain_vs_static={_worst(r['gain'] for r in rows)} "
           f"lost={sum(r['lost'] for r in rows)} switches={sum(r['switches'] for r in rows)} "
           f"flaps={sum(r['flaps'] for r in rows)}")
+
+
+def _worst(gains: Any) -> str:
+    """The lowest gain of those defined (`none`: no run served a request within the SLO)."""
+    known = [g for g in gains if g is not None]
+    return f"{min(known):.3f}" if known else "none"
 
 
 if __name__ == "__main__":
