@@ -230,6 +230,7 @@ def place(base: Topology, shape: Shape, gpus: Sequence[int], limits: Limits) -> 
         host["gpu_memory_utilization"] = round(UTILIZATION - limits.encoder_fraction, 4)
     data = base.model_dump(mode="json", exclude_unset=True)
     data.update(name=_name(base.name, shape.tag), roles=roles)
+    data.pop("rebalance", None)  # a candidate is measured as it is: nothing moves its GPUs
     return parse_topology(data, f"candidate {shape.label}")
 
 

@@ -148,3 +148,15 @@ def test_a_family_is_the_split_of_the_language_model_devices() -> None:
         == "e-pd:1PD"
     assert Shape("e-pd", 1, pd=Pool(1, 2)).family == "e-pd:1PD(TP2)"
     assert Shape("aggregated", pd=Pool(4)).family == "aggregated:1PD"
+
+
+def test_a_candidate_is_measured_without_the_bases_rebalancer() -> None:
+    """tune starts each candidate as placed: a base that rebalances (`rebalance.enabled`)
+    must not move a candidate's GPUs while it is measured."""
+    from epdctl.topology.model import parse_topology
+    from epdctl.tune.candidates import Limits, Pool, Shape, place
+
+    base = parse_topology({"name": "b", "model": "m", "roles": {"prefill_decode": {}},
+                           "rebalance": {"enabled": True, "profiles": "/p", "slo": "ttft=1"}})
+    placed = place(base, Shape("e-pd", 1, pd=Pool(1, 1)), [0, 1], Limits(None, 1024))
+    assert base.rebalance.enabled and not placed.rebalance.enabled
