@@ -70,12 +70,12 @@ def scale_steps(placer: Placer, wanted: Mapping[str, int]) -> list[Step]:
             new = placer.add(role)  # type: ignore[arg-type]
             steps.append(Step("add", None, new, placer.proxy()))
         while placer.count(role) > count:
-            newest = max((s for s in placer.engines if s.role == role), key=_replica)
+            newest = max((s for s in placer.engines if s.role == role), key=replica)
             steps.append(Step("remove", placer.remove(newest.name), None, placer.proxy()))
     return steps
 
 
-def _replica(spec: LaunchSpec) -> int:
+def replica(spec: LaunchSpec) -> int:
     return int(spec.name.rsplit("-", 1)[1])
 
 

@@ -106,13 +106,12 @@ def switches(state: RunState, moves: list[tuple[str, str]]) -> list[str]:
 
 def switch_plan(decision: Decision) -> Callable[[Any, Any], list[Any]]:
     """The rollout's steps for the decision's moves, planned on a Placer of the run."""
-    from epdctl.launch.rollout import switch_steps
+    from epdctl.launch.rollout import replica, switch_steps
 
     def plan(placer: Any, state: Any) -> list[Any]:
         steps = []
         for a, b in decision.moves:
-            newest = max((s for s in placer.engines if s.role == a),
-                         key=lambda s: int(s.name.rsplit("-", 1)[1]))
+            newest = max((s for s in placer.engines if s.role == a), key=replica)
             steps += switch_steps(placer, newest.name, b)
         return steps
 
