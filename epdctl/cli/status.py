@@ -34,7 +34,7 @@ def _rss(pid: int) -> int | None:
 
 def _instance(spec: SpecModel, record: Record | None, now: float) -> dict[str, Any]:
     from epdctl.launch.readiness import is_ready, judge
-    from epdctl.launch.state import process_matches
+    from epdctl.launch.state import still_ours
 
     row: dict[str, Any] = {
         "name": spec.name, "role": spec.role, "gpus": spec.gpus, "port": spec.port,
@@ -47,7 +47,7 @@ def _instance(spec: SpecModel, record: Record | None, now: float) -> dict[str, A
     row.update(pid=record.pid, restarts=record.restarts, exit_code=record.exit_code)
     if record.state == "failed":  # out of restarts: the supervisor gave up on it
         return {**row, "state": "failed", "error": record.error}
-    match = process_matches(record.pid, record.create_time)
+    match = still_ours(record)
     row["state"] = judge(match, bool(match) and is_ready(spec.health_url),
                          record.ready_at is not None)
     if match:
@@ -86,7 +86,7 @@ def cache_line(cache: dict[str, Any]) -> str | None:
 def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
     """The `status --json` document (stable keys)."""
     from epdctl.launch.exposure import run_safety
-    from epdctl.launch.state import process_matches
+    from epdctl.launch.state import still_ours
 
     now = time.time()
     instances = [_instance(s, state.records.get(s.name), now) for s in state.specs]
@@ -96,7 +96,7 @@ def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
         "model": state.model_name, "topology": state.topology_path,
         "state_dir": str(sdir.path), "proxy_url": proxy_url(state),
         "supervisor": None if sup is None else {
-            "pid": sup.pid, "alive": bool(process_matches(sup.pid, sup.create_time))},
+            "pid": sup.pid, "alive": bool(still_ours(sup))},
         "ready": all(i["state"] == "ready" for i in instances),
         "error": state.error,
         "instances": instances,

@@ -12,7 +12,7 @@ from pathlib import Path
 from epdctl.errors import EpdctlError
 from epdctl.host.private import open_append
 from epdctl.launch.readiness import STARTUP_TIMEOUT_S
-from epdctl.launch.state import Record, StateDir
+from epdctl.launch.state import Record, StateDir, start_ticks
 from epdctl.launch.supervisor import Supervisor
 
 
@@ -22,7 +22,8 @@ def self_record() -> Record:
 
     me = psutil.Process()
     return Record(name="supervisor", pid=me.pid, pgid=os.getpgid(0),
-                  create_time=me.create_time(), started_at=time.time())
+                  create_time=me.create_time(), start_ticks=start_ticks(me.pid),
+                  started_at=time.time())
 
 
 def spawn_detached(sdir: StateDir, lock_fd: int, timeout_s: float) -> subprocess.Popen[bytes]:

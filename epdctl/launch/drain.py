@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from epdctl.launch.state import RunState, process_matches
+from epdctl.launch.state import RunState, still_ours
 
 DRAIN_S = 30.0
 """How long `down` (and Ctrl+C on a foreground `up`) lets the requests in flight finish."""
@@ -96,7 +96,7 @@ def _post(state: RunState, path: str, body: dict[str, Any], timeout_s: float
     import httpx
 
     record = state.records.get(state.proxy.name)
-    if record is None or not process_matches(record.pid, record.create_time):
+    if record is None or not still_ours(record):
         return None
     key = state.internal_key or state.proxy_api_key
     headers = {"authorization": f"Bearer {key}"} if key else {}

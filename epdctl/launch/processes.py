@@ -17,7 +17,7 @@ from epdctl.host import ipc
 from epdctl.host.private import open_append
 from epdctl.launch.readiness import probe
 from epdctl.launch.spec import LaunchSpec
-from epdctl.launch.state import Record, process_matches
+from epdctl.launch.state import Record, start_ticks, still_ours
 
 __all__ = ["Proc", "StopResult", "describe_failure", "exit_text", "group_alive", "likely_cause",
            "probe", "scan_marked", "spawn", "stop_all", "tail"]
@@ -52,10 +52,12 @@ class Proc:
     pgid: int
     create_time: float
     popen: subprocess.Popen[bytes] | None = None
+    start_ticks: int | None = None
 
     @classmethod
     def of(cls, record: Record) -> Proc:
-        return cls(record.name, record.pid, record.pgid, record.create_time)
+        return cls(record.name, record.pid, record.pgid, record.create_time,
+                   start_ticks=record.start_ticks)
 
 
 @dataclass
@@ -88,7 +90,7 @@ def spawn(spec: LaunchSpec, run_dir: Path) -> Proc:
         created = psutil.Process(popen.pid).create_time()
     except psutil.NoSuchProcess:  # died at once and was reaped by no one yet: keep going
         created = time.time()
-    return Proc(spec.name, popen.pid, popen.pid, created, popen)
+    return Proc(spec.name, popen.pid, popen.pid, created, popen, start_ticks(popen.pid))
 
 
 def tail(path: Path, n: int = TAIL_LINES) -> list[str]:
@@ -180,7 +182,7 @@ def stop_all(
     pending: list[Proc] = []
     for proc in procs:
         # A dead leader cannot be reused while its group lives; a live one must still be ours.
-        if proc.popen is None and process_matches(proc.pid, proc.create_time) is None:
+        if proc.popen is None and still_ours(proc) is None:
             result.stale.append(proc.name)
         elif _signal(proc, signal.SIGTERM):
             pending.append(proc)
@@ -218,7 +220,8 @@ def scan_marked(run_dir: Path) -> list[Proc]:
         except (psutil.Error, ProcessLookupError, PermissionError):
             continue
         if pgid == proc.pid or pgid not in found:
-            found[pgid] = Proc(env[MARK_NAME], proc.pid, pgid, proc.info["create_time"])
+            found[pgid] = Proc(env[MARK_NAME], proc.pid, pgid, proc.info["create_time"],
+                               start_ticks=start_ticks(proc.pid))
     return list(found.values())
 
 

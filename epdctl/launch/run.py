@@ -38,7 +38,7 @@ from epdctl.launch.processes import (
 from epdctl.launch.readiness import STARTUP_TIMEOUT_S, is_ready
 from epdctl.launch.resolve import Resolved, resolve, vllm_version
 from epdctl.launch.spec import Plan
-from epdctl.launch.state import Record, RunState, Settings, StateDir, process_matches
+from epdctl.launch.state import Record, RunState, Settings, StateDir, still_ours
 from epdctl.topology.model import Topology, load_topology, require_local_model
 
 # Replaces `python -m epdctl.proxy` (its arguments kept): tests, or a proxy of your own.
@@ -279,7 +279,7 @@ groups and exit, before `down` kills it too."""
 
 
 def _wait_gone(proc: Record, until: float) -> None:
-    while process_matches(proc.pid, proc.create_time) and time.monotonic() < until:
+    while still_ours(proc) and time.monotonic() < until:
         time.sleep(0.05)
 
 
@@ -289,7 +289,7 @@ def _stop_processes(
 ) -> StopResult:
     deadline = time.monotonic() + timeout_s
     helpers = [p for p in sidecars.recorded(sdir.path)  # what acts on the run goes first
-               if process_matches(p.pid, p.create_time)]
+               if still_ours(p)]
     helped = stop_all(helpers, min(timeout_s, 10.0)) if helpers else StopResult()
     procs: list[Proc] = []
     if state is not None:
@@ -299,14 +299,14 @@ def _stop_processes(
     if should_scan:
         known = {p.pgid for p in procs}
         procs += [p for p in scan_marked(sdir.path) if p.pgid not in known]
-    alive = [p.name for p in procs if process_matches(p.pid, p.create_time)
+    alive = [p.name for p in procs if still_ours(p)
              or (p.pgid != p.pid and group_alive(p.pgid))]
     sup = state.supervisor if state else None
-    is_sup_alive = sup is not None and bool(process_matches(sup.pid, sup.create_time))
+    is_sup_alive = sup is not None and bool(still_ours(sup))
     if sup is not None and is_sup_alive:
         os.kill(sup.pid, signal.SIGTERM)  # it stops the groups itself, proxy first
         _wait_gone(sup, deadline)
-        if process_matches(sup.pid, sup.create_time):
+        if still_ours(sup):
             # Past the deadline a second SIGTERM makes it SIGKILL what is left at once (and
             # write down what it killed): a few moments, however loaded the machine.
             os.kill(sup.pid, signal.SIGTERM)

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from epdctl.host.private import open_append, write_file
 from epdctl.launch.processes import MARK_DIR, MARK_NAME, Proc
-from epdctl.launch.state import Record
+from epdctl.launch.state import Record, start_ticks
 
 FOLDER = "sidecars"
 
@@ -33,7 +33,7 @@ def spawn(run_dir: Path, name: str, argv: list[str]) -> None:
     except psutil.Error:
         return  # gone at once: nothing to stop
     record = Record(name=name, pid=popen.pid, pgid=popen.pid, create_time=create_time,
-                    started_at=time.time())
+                    start_ticks=start_ticks(popen.pid), started_at=time.time())
     folder = run_dir / FOLDER
     folder.mkdir(mode=0o700, exist_ok=True)
     write_file(folder / f"{name}.json", record.model_dump_json().encode())

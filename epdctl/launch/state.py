@@ -7,7 +7,7 @@ import fcntl
 import os
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -82,6 +82,9 @@ class Record(BaseModel):
     pid: int
     pgid: int
     create_time: float
+    start_ticks: int | None = None
+    """Its start in clock ticks since boot: what says it is still ours, whatever the clock
+    did since (state written before it existed: none, and create_time decides)."""
     started_at: float
     """Wall-clock time of the spawn."""
     ready_at: float | None = None
@@ -176,30 +179,59 @@ class RunState(BaseModel):
 
 
 BOOT_TIME_SLACK_S = 2
-"""Whole seconds a recorded start time may be off for the same process. psutil gives a start
-as the seconds since boot (exact, in 10 ms ticks) plus /proc/stat's `btime`, and the kernel
-rounds `btime` (now minus uptime) to whole seconds: on a machine whose clock is slewed it
-moves by a second now and then (seen on a VM), and a start recorded before that reads a
-second off after it. A pid reused by another process would have to wrap the pid space within
-that slack and start on the very tick."""
+"""Whole seconds a recorded start time may be off for the same process, where its start
+ticks were not recorded (state written before they were). psutil gives a start as the
+seconds since boot plus /proc/stat's `btime`, and btime moves whenever the clock is set or
+slewed: by a second now and then on a VM, by minutes where NTP steps a fresh VM's clock."""
 
 
-def process_matches(pid: int, create_time: float) -> bool | None:
+def start_ticks(pid: int) -> int | None:
+    """When pid started, in clock ticks since boot (`starttime` of /proc/<pid>/stat): what the
+    kernel keeps for the process's life, whatever happens to the clock. None: no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return int(stat.rpartition(b")")[2].split()[19])  # field 22; the name may hold ") "
+
+
+def process_matches(pid: int, create_time: float, ticks: int | None = None) -> bool | None:
     """True: that very process is alive; False: gone (or a zombie); None: pid reused (stale).
-    The process is the one recorded when its start differs from `create_time` by whole seconds
-    only, at most BOOT_TIME_SLACK_S of them (to the tick: 0.01 s)."""
+    The process is the one recorded when it started on the recorded tick since boot; with no
+    ticks recorded, when its start differs from `create_time` by whole seconds only, at most
+    BOOT_TIME_SLACK_S of them (to the tick: 0.01 s)."""
     import psutil
 
     try:
         proc = psutil.Process(pid)
-        off = proc.create_time() - create_time
-        if abs(off - round(off)) > 0.01 or abs(round(off)) > BOOT_TIME_SLACK_S:
-            return None
+        if ticks is not None and (now := start_ticks(pid)) is not None:
+            if now != ticks:
+                return None
+        else:
+            off = proc.create_time() - create_time
+            if abs(off - round(off)) > 0.01 or abs(round(off)) > BOOT_TIME_SLACK_S:
+                return None
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:
         return None
+
+
+class Started(Protocol):
+    """A process as recorded when it started (a Record, a Proc)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def create_time(self) -> float: ...
+    @property
+    def start_ticks(self) -> int | None: ...
+
+
+def still_ours(started: Started) -> bool | None:
+    """process_matches for what was recorded of a process."""
+    return process_matches(started.pid, started.create_time, started.start_ticks)
 
 
 class StateDir:
@@ -331,7 +363,7 @@ class StateDir:
         records = list(state.records.values())
         if state.supervisor is not None:
             records.append(state.supervisor)
-        return [r.name for r in records if process_matches(r.pid, r.create_time)]
+        return [r.name for r in records if still_ours(r)]
 
     def is_running(self) -> bool:
         """Lock held, or a readable state.json with live processes."""

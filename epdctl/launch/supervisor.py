@@ -311,7 +311,8 @@ class Supervisor:
             slot.is_asked = False
             self.state.records[slot.spec.name] = Record(
                 name=slot.spec.name, pid=slot.proc.pid, pgid=slot.proc.pgid,
-                create_time=slot.proc.create_time, started_at=time.time(), restarts=restarts,
+                create_time=slot.proc.create_time, start_ticks=slot.proc.start_ticks,
+                started_at=time.time(), restarts=restarts,
                 restart_times=record.restart_times if record else [],
             )
             self._save()  # recorded before waiting, so `down` finds it even if we die now

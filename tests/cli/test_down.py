@@ -67,13 +67,33 @@ def test_stale_pid_is_not_signalled(epdctl, fake_topology, state_root) -> None:
     kill_supervisor(state_root)
     path = state_root / "fake" / "state.json"
     data = json.loads(path.read_text())
-    data["records"]["pd-0"]["create_time"] -= 1000  # as if pd-0's pid now were someone else's
+    record = data["records"]["pd-0"]
+    record["create_time"] -= 1000  # as if pd-0's pid now were someone else's
+    record["start_ticks"] -= 100_000
     path.write_text(json.dumps(data))
     pd = data["records"]["pd-0"]["pid"]
     result = epdctl("down")
     assert result.exit_code == 0
     assert "Not signalled (the pid now belongs to another process): pd-0\n" in result.stderr
     assert is_running(pd)  # the state_root finalizer stops it through its env markers
+
+
+def test_down_stops_its_processes_after_the_clock_was_set(epdctl, fake_topology,
+                                                          state_root) -> None:
+    """A clock set by minutes (NTP stepping a fresh VM's clock) moves every start psutil
+    reads by as much; the processes are still the run's, and `down` stops every one."""
+    up(epdctl, fake_topology())
+    kill_supervisor(state_root)  # so that it writes state.json no more
+    pids = run_pids(state_root)
+    path = state_root / "fake" / "state.json"
+    data = json.loads(path.read_text())
+    for record in data["records"].values():
+        record["create_time"] -= 600  # read before the clock went 10 minutes forward
+    path.write_text(json.dumps(data))
+    result = epdctl("down")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.startswith("Stopped fake: proxy, pd-0, encode-0.\n"), result.stderr
+    assert not any(is_running(p) for p in pids.values())
 
 
 def test_sigkill_after_the_deadline(epdctl, fake_topology, state_root) -> None:

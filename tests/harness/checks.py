@@ -102,7 +102,7 @@ def check_down(run: TopologyRun, *, sigkill: bool = False) -> None:
     result = run.cli("down", timeout_s=90)
     assert result.returncode == 0, result.stderr
     assert not (run.run_dir / "state.json").exists()
-    assert not (left := leftovers(run)), left  # a helper: pytest shows no diff here
+    assert not (left := leftovers(run)), (left, result.stderr)  # pytest shows no diff here
     assert not namespace_dir.exists()
     assert store_files(run.cache_dir) == []
     assert [p for p in shm | recorded if Path(p).exists()] == []

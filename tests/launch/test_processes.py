@@ -107,7 +107,7 @@ def test_escalation_with_a_fake_clock(monkeypatch: pytest.MonkeyPatch) -> None:
         alive[pgid] = alive[pgid] and sig != signal.SIGKILL
 
     monkeypatch.setattr("epdctl.launch.processes.os.killpg", killpg)
-    monkeypatch.setattr("epdctl.launch.processes.process_matches", lambda pid, ct: True)
+    monkeypatch.setattr("epdctl.launch.processes.still_ours", lambda proc: True)
     now = [0.0]
 
     def sleep(seconds: float) -> None:

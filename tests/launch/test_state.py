@@ -15,6 +15,7 @@ from epdctl.launch.state import (
     StateDir,
     find_state_dir,
     process_matches,
+    start_ticks,
 )
 
 
@@ -101,6 +102,21 @@ def test_process_matches_through_a_boot_time_step(monkeypatch: pytest.MonkeyPatc
     recorded = me.create_time()
     monkeypatch.setattr(psutil.Process, "create_time", lambda self: recorded + off)
     assert process_matches(me.pid, recorded) is matches
+
+
+def test_recorded_start_ticks_decide_whatever_the_clock_did() -> None:
+    """With its start ticks recorded, a process is ours however far its read start moved (a
+    clock set by minutes), and a pid whose ticks differ is someone else's."""
+    me = psutil.Process()
+    ticks = start_ticks(me.pid)
+    assert ticks is not None and ticks > 0
+    assert process_matches(me.pid, me.create_time() - 600, ticks) is True
+    assert process_matches(me.pid, me.create_time(), ticks + 1) is None
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child_ticks = start_ticks(child.pid)
+    child.wait()
+    assert start_ticks(child.pid) is None
+    assert process_matches(child.pid, 0.0, child_ticks) is False
 
 
 def test_find_state_dir(tmp_path: Path) -> None:
