@@ -193,6 +193,48 @@ def arm(name: str, topology: Path, run_dir: Path, trace: Path, model: str) -> di
     return out
 
 
+def bound(run_dir: Path, model: str, requests: list[TraceRequest], start: str
+          ) -> dict[str, Any]:
+    """What any rebalancer could gain at most, by tune's queue model on the kept profiles:
+    each phase (its requests at their times, queues empty at its start) served by the best
+    split of the 4 GPUs for it, switches free, over the start served throughout (`bound`:
+    requests within the SLO, the ratio); `reach`: the same among the splits a switch reaches
+    from the start; `best`: each phase's best split; `static`: the split that would serve
+    the most throughout, and `static_bound` the same ratio over it."""
+    from epdctl.rebalance.split import reachable
+    from epdctl.traces.format import Trace
+    from epdctl.tune.candidates import shapes
+    from epdctl.tune.facts import model_facts
+    from epdctl.tune.model import Slo
+    from epdctl.tune.runner import saved_profile
+    from epdctl.tune.tracemodel import simulate_trace
+    from epdctl.tune.workload import ProfiledShape, from_trace
+
+    profile, _ = saved_profile(run_dir / "tune")
+    facts = {k: float(v) for k, v in (p.split("=") for p in
+                                      tune_bench.slo_for(model, 4).split(","))}
+    slo = Slo(facts.get("ttft"), facts.get("tpot"))
+    splits = {s.label: s for s in shapes(4, [1, 2, 4]) if not profile.missing(s)}
+    per = len(requests) // len(PHASES)
+    tokens = model_facts("sim-model", run_dir / f"{model}.yaml").image_tokens_per_mpixel
+    phases = [from_trace(Trace(tuple(requests[i * per:(i + 1) * per])),
+                         ProfiledShape((512, 512), tokens)) for i in range(len(PHASES))]
+    served = {label: [simulate_trace(shape, profile, w, rate=w.rate).attainment(slo) * per
+                      for w in phases] for label, shape in splits.items()}
+    near = [s.label for s in reachable(splits[start]) if s.label in splits] \
+        if start in splits else [start]
+
+    def most(labels: list[str]) -> float:
+        return sum(max(served[x][i] for x in labels) for i in range(len(PHASES)))
+
+    own = sum(served[start]) if start in served else math.nan
+    static = max(splits, key=lambda x: sum(served[x]))
+    return {"bound": round(most(list(splits)) / own, 3),
+            "reach": round(most(near) / own, 3),
+            "best": [max(splits, key=lambda x: served[x][i]) for i in range(len(PHASES))],
+            "static": static, "static_bound": round(most(list(splits)) / sum(served[static]), 3)}
+
+
 def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() \
         else []
@@ -219,9 +261,11 @@ def run_one(model: str, args: argparse.Namespace) -> dict[str, Any]:
     static = arm("static", run_dir / "pick.yaml", run_dir, trace, model)
     moved = arm("rebalanced", rebalanced(run_dir / "pick.yaml", run_dir, model,
                                          args.phase_seconds), run_dir, trace, model)
+    requests = shifting_trace(per_phase, rate)
     row = {"model": model, "pick": pick["pick"], "shape": pick["shape"],
            "rate": round(rate, 3), "requests": per_phase * len(PHASES),
-           **_pair(static, moved, args.phase_seconds)}
+           **_pair(static, moved, args.phase_seconds),
+           "model_bound": bound(run_dir, model, requests, pick["shape"])}
     for split in args.also:  # another start, whole GPUs a switch can move: static vs not
         start = split_topology(base, split, run_dir)
         tag = split.lower().replace("+", "-")

@@ -65,3 +65,21 @@ def test_another_start_is_the_base_split_as_asked(tmp_path: Path) -> None:
         [0], [1, 2, 3])
     with pytest.raises(SystemExit, match="expected nE"):
         bench.split_topology(base, "2PD", tmp_path)
+
+
+def test_the_bound_is_what_the_best_split_of_each_phase_serves_over_the_start(
+        tmp_path: Path) -> None:
+    """On the real profiles of the simulated encode-heavy machine: albums at 6 req/s need
+    encoders, which an aggregated start has none of and cannot reach by a switch; the split
+    that would serve the most throughout is never beaten by more than the bound says."""
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "profiles.json").write_bytes(
+        (Path(__file__).parent / "data" / "rebalance" / "encode-heavy" /
+         "profiles.json").read_bytes())
+    bench.cost_file("encode-heavy", tmp_path)
+    requests = bench.shifting_trace(300, 6.0)
+    got = bench.bound(tmp_path, "encode-heavy", requests, "4PD")
+    assert got["bound"] > 1.25 and got["reach"] == 1.0  # 4PD: no encoder to switch in
+    assert "E" in got["best"][0] and got["static"] != "4PD"
+    assert bench.bound(tmp_path, "encode-heavy", requests, got["static"])["bound"] == \
+        got["static_bound"] >= 1.0
