@@ -33,8 +33,8 @@ def _rss(pid: int) -> int | None:
 
 
 def _instance(spec: SpecModel, record: Record | None, now: float) -> dict[str, Any]:
+    from epdctl.launch.identity import still_ours
     from epdctl.launch.readiness import is_ready, judge
-    from epdctl.launch.state import still_ours
 
     row: dict[str, Any] = {
         "name": spec.name, "role": spec.role, "gpus": spec.gpus, "port": spec.port,
@@ -86,7 +86,7 @@ def cache_line(cache: dict[str, Any]) -> str | None:
 def collect(sdir: StateDir, state: RunState) -> dict[str, Any]:
     """The `status --json` document (stable keys)."""
     from epdctl.launch.exposure import run_safety
-    from epdctl.launch.state import still_ours
+    from epdctl.launch.identity import still_ours
 
     now = time.time()
     instances = [_instance(s, state.records.get(s.name), now) for s in state.specs]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from epdctl.errors import EpdctlError
 from epdctl.host.private import open_append
+from epdctl.launch.identity import start_ticks
 from epdctl.launch.readiness import STARTUP_TIMEOUT_S
-from epdctl.launch.state import Record, StateDir, start_ticks
+from epdctl.launch.state import Record, StateDir
 from epdctl.launch.supervisor import Supervisor
 
 

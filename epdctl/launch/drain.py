@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from epdctl.launch.state import RunState, still_ours
+from epdctl.launch.identity import still_ours
+from epdctl.launch.state import RunState
 
 DRAIN_S = 30.0
 """How long `down` (and Ctrl+C on a foreground `up`) lets the requests in flight finish."""

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from epdctl.host import ipc
 from epdctl.host.private import open_append
+from epdctl.launch.identity import start_ticks, still_ours
 from epdctl.launch.readiness import probe
 from epdctl.launch.spec import LaunchSpec
-from epdctl.launch.state import Record, start_ticks, still_ours
+from epdctl.launch.state import Record
 
 __all__ = ["Proc", "StopResult", "describe_failure", "exit_text", "group_alive", "likely_cause",
            "probe", "scan_marked", "spawn", "stop_all", "tail"]

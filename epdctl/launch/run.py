@@ -25,6 +25,7 @@ from epdctl.errors import (
 from epdctl.host import ipc
 from epdctl.host.shm import release
 from epdctl.launch import sidecars
+from epdctl.launch.identity import still_ours
 from epdctl.launch.processes import (
     STOP_TIMEOUT_S,
     Proc,
@@ -38,7 +39,7 @@ from epdctl.launch.processes import (
 from epdctl.launch.readiness import STARTUP_TIMEOUT_S, is_ready
 from epdctl.launch.resolve import Resolved, resolve, vllm_version
 from epdctl.launch.spec import Plan
-from epdctl.launch.state import Record, RunState, Settings, StateDir, still_ours
+from epdctl.launch.state import Record, RunState, Settings, StateDir
 from epdctl.topology.model import Topology, load_topology, require_local_model
 
 # Replaces `python -m epdctl.proxy` (its arguments kept): tests, or a proxy of your own.

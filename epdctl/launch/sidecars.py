@@ -14,8 +14,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from epdctl.host.private import open_append, write_file
+from epdctl.launch.identity import start_ticks
 from epdctl.launch.processes import MARK_DIR, MARK_NAME, Proc
-from epdctl.launch.state import Record, start_ticks
+from epdctl.launch.state import Record
 
 FOLDER = "sidecars"
 

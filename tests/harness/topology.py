@@ -226,15 +226,12 @@ def release_new_semaphores() -> Iterator[None]:
 @contextmanager
 def topology_up(path: Path, cache_dir: Path, state_root: Path, *,
                 baseline: Server | None = None, should_remove_cache: bool = True,
-                semaphores_before: frozenset[str] | None = None,
                 timeout_s: float = READY_TIMEOUT_S) -> Iterator[TopologyRun]:
     """Start the topology (and wait for the baseline starting meanwhile); stop it and clean
     up after: its store root too, unless `should_remove_cache` is off (a root it shares).
-    `semaphores_before`: the ones its leftover checks take as someone else's (default: those
-    there now)."""
-    if semaphores_before is None:
-        semaphores_before = frozenset(semaphores())
-    run = TopologyRun(path, state_root, cache_dir, cli_env(), semaphores_before)
+    The named semaphores there before it starts are someone else's to its leftover checks
+    (an earlier run's that something killed, say)."""
+    run = TopologyRun(path, state_root, cache_dir, cli_env(), frozenset(semaphores()))
     with release_new_semaphores():
         try:
             start_topology(run, timeout_s)
@@ -265,8 +262,7 @@ def edited_topology(src: str, tmp: Path, model: Path, cache_dir: Path,
     """A test copy of topologies/<src>.yaml (free ports, this store root, `change`d),
     started; stopped after (the store root is the caller's: store_root())."""
     path = edit_topology(copy_topology(src, tmp, model=model, cache_dir=cache_dir), change)
-    with topology_up(path, cache_dir, tmp / "state", should_remove_cache=False,
-                     semaphores_before=frozenset()) as run:
+    with topology_up(path, cache_dir, tmp / "state", should_remove_cache=False) as run:
         yield run
 
 

@@ -8,14 +8,13 @@ import psutil
 import pytest
 
 from epdctl.errors import AlreadyRunningError, EpdctlError, NotRunningError, StateError
+from epdctl.launch.identity import process_matches, start_ticks
 from epdctl.launch.state import (
     Record,
     RunState,
     SpecModel,
     StateDir,
     find_state_dir,
-    process_matches,
-    start_ticks,
 )
 
 
