@@ -209,6 +209,7 @@ def bound(run_dir: Path, model: str, requests: list[TraceRequest], start: str
     requests within the SLO, the ratio); `reach`: the same among the splits a switch reaches
     from the start; `best`: each phase's best split; `static`: the split that would serve
     the most throughout, and `static_bound` the same ratio over it."""
+    from epdctl.bench.workload import parse_slo
     from epdctl.rebalance.split import reachable
     from epdctl.traces.format import Trace
     from epdctl.tune.candidates import shapes
@@ -219,9 +220,8 @@ def bound(run_dir: Path, model: str, requests: list[TraceRequest], start: str
     from epdctl.tune.workload import ProfiledShape, from_trace
 
     profile, _ = saved_profile(run_dir / "tune")
-    facts = {k: float(v) for k, v in (p.split("=") for p in
-                                      tune_bench.slo_for(model, 4).split(","))}
-    slo = Slo(facts.get("ttft"), facts.get("tpot"))
+    limits = dict(parse_slo(tune_bench.slo_for(model, 4)))
+    slo = Slo(limits.get("ttft"), limits.get("tpot"))
     splits = {s.label: s for s in shapes(4, [1, 2, 4]) if not profile.missing(s)}
     per = len(requests) // len(PHASES)
     tokens = model_facts("sim-model", run_dir / f"{model}.yaml").image_tokens_per_mpixel
@@ -230,10 +230,11 @@ def bound(run_dir: Path, model: str, requests: list[TraceRequest], start: str
     served = {label: [simulate_trace(shape, profile, w, rate=w.rate).attainment(slo) * per
                       for w in phases] for label, shape in splits.items()}
     near = [s.label for s in reachable(splits[start]) if s.label in splits] \
-        if start in splits else [start]
+        if start in splits else []
 
     def most(labels: list[str]) -> float:
-        return sum(max(served[x][i] for x in labels) for i in range(len(PHASES)))
+        return sum(max((served[x][i] for x in labels), default=0.0)
+                   for i in range(len(PHASES)))
 
     def over(top: float, base: float) -> float | None:  # None: the start serves none
         return round(top / base, 3) if base else None

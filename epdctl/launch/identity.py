@@ -32,7 +32,10 @@ def process_matches(pid: int, create_time: float, ticks: int | None = None) -> b
 
     try:
         proc = psutil.Process(pid)
-        if ticks is not None and (now := start_ticks(pid)) is not None:
+        if ticks is not None:
+            now = start_ticks(pid)
+            if now is None:
+                return False  # gone since
             if now != ticks:
                 return None
         else:
